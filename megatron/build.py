@@ -1,0 +1,104 @@
+"""Build a training run from a validated config: runtime, tokenizer, data, model, engine, trainer.
+
+The order matters in one place only: rank 0 builds data caches (demo corpus, sample indices)
+while the other ranks wait at a barrier, so no two processes write the same file.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.config import ConfigError, pad_vocab_size
+from megatron.data import DataError, build_datasets, build_tokenizer
+from megatron.data.demo_corpus import ensure_demo_data, unigram_entropy
+from megatron.engine import LocalEngine, lm_loss
+from megatron.logging.metrics import log_print
+from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
+from megatron.runtime import Runtime, init_runtime
+from megatron.training import Trainer
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Expected mistakes end the run with one line and exit code 2, never a traceback wall."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+@dataclass
+class Run:
+    cfg: object
+    runtime: Runtime
+    trainer: Trainer
+    train_data: object
+
+    def report(self) -> None:
+        """Final numbers: losses against the data's unigram entropy, and bytes moved per tier."""
+        if not self.runtime.is_main:
+            return
+        vocab = self.cfg.model.padded_vocab_size
+        lines = [f"final train loss {self.trainer.last_train_loss:.4f}"]
+        if self.trainer.last_valid_loss is not None:
+            lines.append(f"final validation loss {self.trainer.last_valid_loss:.4f}")
+        entropy = unigram_entropy(self.train_data, vocab)
+        if entropy is not None:
+            lines.append(f"unigram entropy of the training data {entropy:.4f} nats/token")
+        summary = self.trainer.comm_summary()
+        if summary:
+            lines.append(summary)
+        log_print(" | ".join(lines[:3]) + ("\n" + "\n".join(lines[3:]) if lines[3:] else ""))
+
+
+def _derive_vocab(cfg, tokenizer_vocab: int):
+    padded = pad_vocab_size(tokenizer_vocab, cfg.model.make_vocab_size_divisible_by)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded))
+
+
+def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
+    accumulation = cfg.training.gradient_accumulation_steps
+    if not runtime.distributed:
+        return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision, accumulation,
+                           runtime.device)
+    from megatron.zero_topo.setup import build_zero_topo_engine
+    return build_zero_topo_engine(cfg, model, runtime, lm_loss)
+
+
+def build_training(cfg) -> Run:
+    runtime = init_runtime(cfg)
+    if cfg.data.build_demo_corpus:
+        if runtime.is_main:
+            ensure_demo_data(Path(cfg.tokenizer.vocab_file).parent)
+        runtime.barrier()
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    cfg = _derive_vocab(cfg, tokenizer.vocab_size)
+    tcfg = cfg.training
+    global_batch = tcfg.train_micro_batch_size_per_gpu * tcfg.gradient_accumulation_steps * runtime.world_size
+    num_valid = tcfg.eval_iters * tcfg.train_micro_batch_size_per_gpu * runtime.world_size
+    train_data, valid_data, _ = build_datasets(cfg, cfg.model.padded_vocab_size,
+                                               tcfg.train_iters * global_batch, num_valid,
+                                               barrier=runtime.barrier)
+    torch.manual_seed(cfg.data.seed)
+    model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
+    if runtime.is_main:
+        params = num_parameters(model)
+        flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size, cfg.model.seq_length)
+        log_print(f"model: {params / 1e6:.2f}M parameters, {flops / 1e6:.1f} MFLOPs/token (train); "
+                  f"{runtime.world_size} rank(s) on {runtime.device.type}; global batch {global_batch} "
+                  f"= {tcfg.train_micro_batch_size_per_gpu} x {tcfg.gradient_accumulation_steps} accumulation "
+                  f"x {runtime.world_size} ranks; precision {cfg.precision.precision}")
+    engine = build_engine(cfg, model, runtime)
+    trainer = Trainer(cfg, runtime, engine, train_data, valid_data)
+    if cfg.checkpoint.load:
+        trainer.resume(cfg.checkpoint.load)
+    return Run(cfg=cfg, runtime=runtime, trainer=trainer, train_data=train_data)

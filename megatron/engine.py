@@ -1,0 +1,113 @@
+"""The training loop's one interface to "model + optimizer", and its single-process implementation.
+
+The loop calls only `forward_backward`, `optimizer_step`, `eval_loss`, `all_reduce_sum` and the
+checkpoint hooks; the ZeRO-topo engine (`megatron.zero_topo`) implements the same methods over
+sharded state, so the loop never changes with the sharding.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from megatron.config.schema import OptimizerConfig
+
+LossFn = Callable[[nn.Module, dict], torch.Tensor]
+
+
+class Engine(Protocol):
+    def forward_backward(self, batch: dict) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns the detached local mean loss."""
+
+    def optimizer_step(self, lr: float) -> dict:
+        """Clip and step once all micro-batches are in; returns {"grad_norm": pre-clip global norm}."""
+
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        """Mean loss of one batch without gradients."""
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum `values` over every rank (a `control` collective); identity on one process."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """All parameters by name, fp32, on every rank (tests, export)."""
+
+
+def no_decay(param: torch.Tensor) -> bool:
+    """Norm weights and biases (the 1-D parameters) get no weight decay, as in NeoX."""
+    return param.ndim < 2
+
+
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, plain = [], []
+    for p in model.parameters():
+        (plain if no_decay(p) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Mean next-token cross entropy over every position of the micro-batch (fp32 softmax)."""
+    logits = model(batch["tokens"])
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+
+class LocalEngine:
+    """One process: autocast to the compute dtype, fp32 parameters and torch's AdamW."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, opt_cfg: OptimizerConfig, precision: str,
+                 accumulation_steps: int, device: torch.device):
+        self.model = model.to(device)
+        self.loss_fn = loss_fn
+        self.opt_cfg = opt_cfg
+        self.device = device
+        self.accumulation_steps = accumulation_steps
+        self.autocast_dtype = {"bfloat16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.optimizer = torch.optim.AdamW(
+            adamw_param_groups(model, opt_cfg.weight_decay), lr=0.0, betas=tuple(opt_cfg.betas),
+            eps=opt_cfg.eps, foreach=False)
+        # fp16 needs loss scaling; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
+    def forward_backward(self, batch: dict) -> torch.Tensor:
+        self.model.train()
+        with self._autocast():
+            loss = self.loss_fn(self.model, batch)
+        self.scaler.scale(loss / self.accumulation_steps).backward()
+        return loss.detach()
+
+    def optimizer_step(self, lr: float) -> dict:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        clip = self.opt_cfg.gradient_clipping
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        self.model.eval()
+        with self._autocast():
+            return self.loss_fn(self.model, batch).detach()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
+
+    # -- checkpoint hooks: one rank, so the "shard" is everything -------------------------------
+    def checkpoint_state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])

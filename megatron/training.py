@@ -1,0 +1,208 @@
+"""The training loop: micro-batches, accumulation, evaluation, logging and checkpoint cadence.
+
+It sees the model and optimizer only through the `Engine` interface, so every sharding setting runs
+this same loop. Data is indexed by the number of samples consumed — the loop's whole data state.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing.checkpointer import (Checkpointer, latest_step_dir, load_meta,
+                                                 load_rank_state)
+from megatron.config import config_to_dict
+from megatron.engine import Engine
+from megatron.logging import MetricsWriter, ProgressLine, format_bytes
+from megatron.logging.metrics import log_print
+from megatron.runtime import Runtime
+from megatron.schedule import learning_rate, schedule_from_config
+
+
+@dataclass
+class Batching:
+    """How one optimizer step's global batch is split over ranks and micro-steps."""
+    micro_batch: int
+    accumulation: int
+    world_size: int
+    rank: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+    def micro_indices(self, start: int, micro_step: int) -> range:
+        """Sample indices of this rank's `micro_step` in the global batch that begins at `start`."""
+        first = start + micro_step * self.micro_batch * self.world_size + self.rank * self.micro_batch
+        return range(first, first + self.micro_batch)
+
+
+def collate(dataset, indices, device: torch.device) -> dict:
+    samples = [dataset[i] for i in indices]
+    return {key: torch.stack([s[key] for s in samples]).to(device) for key in ("tokens", "labels")}
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 (Slurm's warning before the time limit) -> save at the next step, then exit."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+class Trainer:
+    def __init__(self, cfg, runtime: Runtime, engine: Engine, train_data, valid_data):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.engine = engine
+        self.train_data = train_data
+        self.valid_data = valid_data
+        tcfg = cfg.training
+        self.batching = Batching(tcfg.train_micro_batch_size_per_gpu, tcfg.gradient_accumulation_steps,
+                                 runtime.world_size, runtime.rank)
+        self.schedule = schedule_from_config(cfg)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.metrics = MetricsWriter(cfg.logging.log_dir, enabled=runtime.is_main,
+                                     tensorboard_dir=cfg.logging.tensorboard_dir,
+                                     use_wandb=cfg.logging.use_wandb,
+                                     wandb_project=cfg.logging.wandb_project,
+                                     wandb_group=cfg.logging.wandb_group,
+                                     run_config=config_to_dict(cfg))
+        ck = cfg.checkpoint
+        self.checkpointer = (Checkpointer(ck.save, rank=runtime.rank, world_size=runtime.world_size,
+                                          barrier=runtime.barrier, keep_last_n=ck.keep_last_n_checkpoints)
+                             if ck.save else None)
+        self.stop = StopRequest()
+        self.last_valid_loss: float | None = None
+        self.last_train_loss: float | None = None
+
+    # -- one optimizer step ------------------------------------------------------------------
+    def train_step(self) -> dict:
+        lr = learning_rate(self.iteration + 1, **self.schedule)
+        local_loss_sum = 0.0
+        for micro_step in range(self.batching.accumulation):
+            indices = self.batching.micro_indices(self.consumed_samples, micro_step)
+            batch = collate(self.train_data, indices, self.runtime.device)
+            local_loss_sum += float(self.engine.forward_backward(batch))
+        stats = self.engine.optimizer_step(lr)
+        loss_sum, count = self.engine.all_reduce_sum([local_loss_sum, float(self.batching.accumulation)])
+        self.iteration += 1
+        self.consumed_samples += self.batching.global_batch
+        return {"train/lm_loss": loss_sum / count, "train/learning_rate": lr,
+                "train/grad_norm": stats["grad_norm"]}
+
+    def evaluate(self) -> dict:
+        loss_sum = 0.0
+        for step in range(self.cfg.training.eval_iters):
+            indices = self.batching.micro_indices(0, 0)
+            indices = range(indices.start + step * self.batching.micro_batch * self.batching.world_size,
+                            indices.stop + step * self.batching.micro_batch * self.batching.world_size)
+            loss_sum += float(self.engine.eval_loss(collate(self.valid_data, indices, self.runtime.device)))
+        total, count = self.engine.all_reduce_sum([loss_sum, float(self.cfg.training.eval_iters)])
+        loss = total / count
+        self.last_valid_loss = loss
+        return {"validation/lm_loss": loss, "validation/lm_loss_ppl": math.exp(min(loss, 50.0))}
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> None:
+        tcfg = self.cfg.training
+        seq = self.cfg.model.seq_length
+        progress = ProgressLine(tcfg.train_iters, start_iter=self.iteration)
+        log_interval = self.cfg.logging.log_interval
+        while self.iteration < tcfg.train_iters:
+            start = time.perf_counter()
+            metrics = self.train_step()
+            elapsed = time.perf_counter() - start
+            tokens_per_sec = self.batching.global_batch * seq / elapsed
+            metrics.update({"runtime/tokens_per_sec": tokens_per_sec, "runtime/iteration_time": elapsed,
+                            "runtime/samples_consumed": self.consumed_samples})
+            metrics.update(self._comm_metrics())
+            self.last_train_loss = metrics["train/lm_loss"]
+            if self.iteration % log_interval == 0 or self.iteration == tcfg.train_iters or self.iteration == 1:
+                self.metrics.log(self.iteration, metrics)
+                if self.runtime.is_main:
+                    progress.print(self.iteration, metrics["train/lm_loss"], metrics["train/learning_rate"],
+                                   metrics["train/grad_norm"], tokens_per_sec)
+            if self.valid_data is not None and tcfg.eval_iters > 0 and (
+                    self.iteration % tcfg.eval_interval == 0 or self.iteration == tcfg.train_iters):
+                valid = self.evaluate()
+                self.metrics.log(self.iteration, valid)
+                log_print(f"validation at step {self.iteration} | loss {valid['validation/lm_loss']:.4f} "
+                          f"| ppl {valid['validation/lm_loss_ppl']:.2f}", self.runtime.rank)
+            factor = self.cfg.checkpoint.checkpoint_factor
+            if factor and self.iteration % factor == 0:
+                self.save()
+            if self.stop.requested:
+                log_print(f"stop signal received: saving at step {self.iteration} and exiting", self.runtime.rank)
+                break
+        if self.checkpointer is not None:
+            self.save()
+        self.metrics.close()
+
+    def _comm_metrics(self) -> dict:
+        ledger_sync = getattr(self.engine, "ledger_totals", None)
+        if ledger_sync is None:
+            return {}
+        totals = ledger_sync()  # {(phase, tier): bytes} summed over ranks, reset per step
+        out = {}
+        for (phase, tier), nbytes in totals.items():
+            out[f"comm/bytes/{tier}"] = out.get(f"comm/bytes/{tier}", 0) + nbytes
+            out[f"comm/bytes/phase/{phase}"] = out.get(f"comm/bytes/phase/{phase}", 0) + nbytes
+        self.comm_totals = {k: self.comm_totals.get(k, 0) + v for k, v in out.items()} \
+            if hasattr(self, "comm_totals") else dict(out)
+        return out
+
+    def comm_summary(self) -> str:
+        totals = getattr(self, "comm_totals", None)
+        if not totals:
+            return ""
+        tiers = ", ".join(f"{k.split('/')[-1]} {format_bytes(v)}" for k, v in totals.items()
+                          if k.count("/") == 2)
+        return f"communication over {self.iteration} steps (all ranks): {tiers}"
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> None:
+        rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
+        meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
+        path = self.checkpointer.save(self.iteration, rank_state, meta)
+        log_print(f"saved checkpoint {path}", self.runtime.rank)
+
+    def resume(self, load_dir: str) -> bool:
+        step_dir = latest_step_dir(load_dir)
+        if step_dir is None:
+            log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
+            return False
+        meta = load_meta(step_dir)
+        state = load_rank_state(step_dir, self.runtime.rank)
+        self.engine.load_checkpoint_state(state["engine"])
+        _set_rng_state(state["rng"])
+        self.iteration = meta["iteration"]
+        self.consumed_samples = meta["consumed_samples"]
+        log_print(f"resumed from {step_dir} at step {self.iteration}", self.runtime.rank)
+        return True
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir_exists(path: str | None) -> bool:
+    return bool(path) and Path(path).is_dir()

@@ -1,0 +1,33 @@
+"""Entry point run on every rank: `train.py --neox-config-json PATH` (deepy.py writes PATH once).
+
+Parse, build, train, close — everything else lives in megatron/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.build import build_training, user_errors
+from megatron.config import load_config_json
+from megatron.logging.metrics import log_print
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--neox-config-json", required=True,
+                        help="the validated config deepy.py serialized (never YAML: ranks do not re-parse)")
+    args = parser.parse_args(argv)
+    with user_errors():
+        cfg = load_config_json(args.neox_config_json)
+        run = build_training(cfg)
+        try:
+            run.trainer.fit()
+            run.report()
+        finally:
+            run.runtime.close()
+    log_print("done", 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
