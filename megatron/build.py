@@ -87,7 +87,7 @@ def build_training(cfg) -> Run:
     num_valid = tcfg.eval_iters * tcfg.train_micro_batch_size_per_gpu * runtime.world_size
     train_data, valid_data, _ = build_datasets(cfg, cfg.model.padded_vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
-                                               barrier=runtime.barrier)
+                                               barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
     torch.manual_seed(cfg.data.seed)
     model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
     if runtime.is_main:

@@ -2,12 +2,18 @@
 
 Field names are GPT-NeoX's (and DeepSpeed's for the nested dicts) so a NeoX YAML reads the same here.
 Each field's ``help`` metadata is its single documentation; ``docs/config.md`` is generated from it.
+Other metadata, read by validation and by the docs generator:
+  key      the YAML spelling when it differs from the field name (dotted = inside a NeoX dict)
+  choices  the accepted values; ``aliases`` maps other spellings to one of them
+  ge/gt/le/lt  numeric bounds
 Fields marked ``derived=True`` are computed once by validation and must not be set by users.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+INIT_METHODS = ("small_init", "wang_init", "normal", "scaled_normal", "xavier_normal", "xavier_uniform")
 
 
 def doc(default, help: str, **meta):
@@ -20,61 +26,66 @@ def doc(default, help: str, **meta):
 @dataclass
 class ModelConfig:
     """The GPT-NeoX architecture (same semantics as Hugging Face GPTNeoXForCausalLM)."""
-    num_layers: int = doc(2, "Number of transformer blocks.")
-    hidden_size: int = doc(128, "Model width.")
-    num_attention_heads: int = doc(4, "Attention heads; must divide hidden_size.")
-    seq_length: int = doc(128, "Training sequence length in tokens.")
-    max_position_embeddings: Optional[int] = doc(None, "Longest position the rotary cache covers; defaults to seq_length.")
-    intermediate_size: Optional[int] = doc(None, "MLP inner width; defaults to 4 x hidden_size.")
-    pos_emb: str = doc("rotary", "Position embedding; only 'rotary' is supported.")
-    rotary_pct: float = doc(1.0, "Fraction of each head dimension that rotary embedding rotates (0 < pct <= 1).")
-    rotary_emb_base: int = doc(10000, "Rotary frequency base.")
+    num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
+    hidden_size: int = doc(128, "Model width.", ge=1)
+    num_attention_heads: int = doc(4, "Attention heads; must divide hidden_size.", ge=1)
+    seq_length: int = doc(128, "Training sequence length in tokens.", ge=1)
+    max_position_embeddings: Optional[int] = doc(None, "Longest position the rotary cache covers; defaults to seq_length.", ge=1)
+    intermediate_size: Optional[int] = doc(None, "MLP inner width; defaults to 4 x hidden_size.", ge=1)
+    pos_emb: str = doc("rotary", "Position embedding; only 'rotary' is supported.", choices=("rotary",))
+    rotary_pct: float = doc(1.0, "Fraction of each head dimension that rotary embedding rotates (0 < pct <= 1).", gt=0.0, le=1.0)
+    rotary_emb_base: int = doc(10000, "Rotary frequency base.", ge=1)
     gpt_j_residual: bool = doc(False, "Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)) (two LayerNorms), as NeoX-20B.")
-    norm: str = doc("layernorm", "Normalisation; only 'layernorm' is supported.")
-    layernorm_epsilon: float = doc(1.0e-5, "LayerNorm epsilon.")
-    activation: str = doc("gelu", "MLP activation: 'gelu' (exact erf form, as HF's GPTNeoX).")
+    norm: str = doc("layernorm", "Normalisation; only 'layernorm' is supported.", choices=("layernorm",))
+    layernorm_epsilon: float = doc(1.0e-5, "LayerNorm epsilon.", gt=0.0)
+    activation: str = doc("gelu", "MLP activation: 'gelu' (exact erf form, as HF's GPTNeoX).", choices=("gelu",))
     no_weight_tying: bool = doc(False, "Untie the output layer from the input embedding (NeoX default: tied).")
-    init_method: str = doc("small_init", "Init of input-side weights: small_init, wang_init, normal, xavier_normal.")
-    output_layer_init_method: str = doc("wang_init", "Init of output-side weights (attention dense, MLP out).")
-    init_method_std: float = doc(0.02, "Std of the 'normal' init method.")
-    hidden_dropout: float = doc(0.0, "Dropout on residual branches.")
-    attention_dropout: float = doc(0.0, "Dropout on attention probabilities.")
+    init_method: str = doc("small_init", "Init of input-side weights (NeoX's methods).", choices=INIT_METHODS)
+    output_layer_init_method: str = doc("wang_init", "Init of output-side weights (attention dense, MLP out).", choices=INIT_METHODS)
+    init_method_std: float = doc(0.02, "Std of the 'normal' init method.", gt=0.0)
+    hidden_dropout: float = doc(0.0, "Dropout on residual branches.", ge=0.0, lt=1.0)
+    attention_dropout: float = doc(0.0, "Dropout on attention probabilities.", ge=0.0, lt=1.0)
     checkpoint_activations: bool = doc(False, "Recompute each block's activations in backward (activation checkpointing).")
-    checkpoint_num_layers: int = doc(1, "Blocks per checkpointed segment (only 1 is supported).")
-    make_vocab_size_divisible_by: int = doc(128, "Pad the vocabulary to a multiple of this.")
-    padded_vocab_size: Optional[int] = doc(None, "Derived: tokenizer vocab padded to make_vocab_size_divisible_by.", derived=True)
+    checkpoint_num_layers: int = doc(1, "Blocks per checkpointed segment (only 1 is supported).", choices=(1,))
+    make_vocab_size_divisible_by: int = doc(128, "Pad the vocabulary to a multiple of this.", ge=1)
+    padded_vocab_size: Optional[int] = doc(None, "Derived: tokenizer vocab padded to make_vocab_size_divisible_by (None until the vocabulary is known: train.py calls pad_vocab_size after loading the tokenizer).", derived=True)
 
 
 @dataclass
 class OptimizerConfig:
     """NeoX's `optimizer: {type, params: {...}}` plus its flat weight_decay / gradient_clipping."""
-    type: str = doc("Adam", "Optimizer: Adam/AdamW (both are AdamW with decoupled decay here).")
-    lr: float = doc(6.0e-4, "Peak learning rate (optimizer.params.lr).")
-    betas: list = doc([0.9, 0.95], "Adam betas (optimizer.params.betas).")
-    eps: float = doc(1.0e-8, "Adam epsilon (optimizer.params.eps).")
-    weight_decay: float = doc(0.01, "Decoupled weight decay; never applied to norms and biases.")
-    gradient_clipping: float = doc(1.0, "Global grad-norm clip; 0 disables.")
+    type: str = doc("Adam", "Optimizer: Adam/AdamW (both are AdamW with decoupled decay here).",
+                    key="optimizer.type", choices=("Adam", "AdamW"))
+    lr: float = doc(6.0e-4, "Peak learning rate (optimizer.params.lr).", key="optimizer.params.lr", gt=0.0)
+    betas: list = doc([0.9, 0.95], "Adam betas (optimizer.params.betas).", key="optimizer.params.betas")
+    eps: float = doc(1.0e-8, "Adam epsilon (optimizer.params.eps).", key="optimizer.params.eps", gt=0.0)
+    weight_decay: float = doc(0.01, "Decoupled weight decay; never applied to norms and biases.", ge=0.0)
+    gradient_clipping: float = doc(1.0, "Global grad-norm clip; 0 disables.", ge=0.0)
 
 
 @dataclass
 class LRScheduleConfig:
     """NeoX LR schedule: linear warmup, then decay to min_lr over lr_decay_iters."""
-    lr_decay_style: str = doc("cosine", "Decay after warmup: cosine, linear or constant.")
-    lr_decay_iters: Optional[int] = doc(None, "Iterations the decay spans; defaults to train_iters.")
-    min_lr: float = doc(0.0, "Floor of the decay.")
-    warmup: float = doc(0.01, "Warmup as a fraction (0..1) of lr_decay_iters.")
-    warmup_iters: Optional[int] = doc(None, "Derived: warmup in iterations.", derived=True)
+    lr_decay_style: str = doc("cosine", "Decay after warmup: cosine, linear or constant.", choices=("cosine", "linear", "constant"))
+    lr_decay_iters: Optional[int] = doc(None, "Iterations the decay spans; defaults to train_iters (or lr_decay_fraction x train_iters).", ge=1)
+    lr_decay_fraction: Optional[float] = doc(None, "Decay over this fraction of train_iters; sets lr_decay_iters (give one of the two).", gt=0.0, le=1.0)
+    min_lr: float = doc(0.0, "Floor of the decay.", ge=0.0)
+    warmup: float = doc(0.01, "Warmup as a fraction (0..1) of lr_decay_iters.", ge=0.0, le=1.0)
+    warmup_iters: Optional[int] = doc(None, "Derived: warmup in iterations = round(warmup x lr_decay_iters).", derived=True)
 
 
 @dataclass
 class TokenizerConfig:
-    tokenizer_type: str = doc("HFTokenizer", "HFTokenizer (tokenizer.json), SPMTokenizer (sentencepiece) or CharLevelTokenizer.")
+    """Which tokenizer and where it lives; the file itself is read by train.py, never by the config."""
+    tokenizer_type: str = doc("HFTokenizer", "HFTokenizer (tokenizer.json), SPMTokenizer (sentencepiece) or CharLevelTokenizer.",
+                              choices=("HFTokenizer", "SPMTokenizer", "CharLevelTokenizer"))
     vocab_file: Optional[str] = doc(None, "Tokenizer file (tokenizer.json or .model); unused for CharLevelTokenizer.")
-    vocab_size: Optional[int] = doc(None, "Tokenizer vocabulary size when known without reading the file; otherwise read from the tokenizer at start-up.")
+    vocab_size: Optional[int] = doc(None, "Tokenizer vocabulary size when known without reading the file; otherwise read from the tokenizer at start-up.", ge=1)
 
 
 @dataclass
 class DataConfig:
+    """Datasets (.bin/.idx prefixes), their blend and split."""
     data_path: Optional[str] = doc(None, "Prefix of a .bin/.idx pair (without extension), split by `split`.")
     train_data_paths: Optional[list] = doc(None, "Prefixes of training datasets, blended by train_data_weights.")
     valid_data_paths: Optional[list] = doc(None, "Prefixes of validation datasets.")
@@ -83,36 +94,41 @@ class DataConfig:
     valid_data_weights: Optional[list] = doc(None, "Blend weights of valid_data_paths.")
     test_data_weights: Optional[list] = doc(None, "Blend weights of test_data_paths.")
     split: str = doc("969,30,1", "Train/valid/test split of data_path in proportions.")
-    data_impl: str = doc("mmap", "Only 'mmap' (NeoX/Megatron .bin/.idx).")
-    seed: int = doc(1234, "Seed of the sample shuffle (and of model init).")
-    num_workers: int = doc(1, "DataLoader workers.")
+    data_impl: str = doc("mmap", "Only 'mmap' (NeoX/Megatron .bin/.idx); NeoX's 'infer' means the same here.",
+                         choices=("mmap",), aliases={"infer": "mmap"})
+    seed: int = doc(1234, "Seed of the sample shuffle (and of model init).", ge=0)
+    num_workers: int = doc(1, "DataLoader workers.", ge=0)
     build_demo_corpus: bool = doc(False, "Build the embedded demo corpus (Python stdlib sources), tokenizer and dataset if absent.")
 
 
 @dataclass
 class TrainingConfig:
-    train_iters: int = doc(100, "Optimizer steps to run.")
-    train_batch_size: Optional[int] = doc(None, "Global batch in samples (= micro x accumulation x data-parallel size).")
-    train_micro_batch_size_per_gpu: Optional[int] = doc(None, "Samples per rank per micro-step.")
-    gradient_accumulation_steps: Optional[int] = doc(None, "Micro-steps per optimizer step.")
-    eval_interval: int = doc(1000, "Evaluate every this many steps (and at the end).")
-    eval_iters: int = doc(10, "Validation micro-batches per evaluation.")
-    device: str = doc("auto", "Compute device: auto (GPU when present), cpu or cuda.")
+    """Iterations, the batch triple and evaluation cadence."""
+    train_iters: int = doc(100, "Optimizer steps to run.", ge=1)
+    train_batch_size: Optional[int] = doc(None, "Global batch in samples (= micro x accumulation x data-parallel size).", ge=1)
+    train_micro_batch_size_per_gpu: Optional[int] = doc(None, "Samples per rank per micro-step.", ge=1)
+    gradient_accumulation_steps: Optional[int] = doc(None, "Micro-steps per optimizer step.", ge=1)
+    eval_interval: int = doc(1000, "Evaluate every this many steps (and at the end).", ge=1)
+    eval_iters: int = doc(10, "Validation micro-batches per evaluation (0 disables evaluation).", ge=0)
+    device: str = doc("auto", "Compute device: auto (GPU when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
 
 
 @dataclass
 class PrecisionConfig:
     """Compute precision; NeoX writes bf16 as `bf16: {enabled}`, `precision: bfloat16` or `fp16: {type: bfloat16}`."""
-    precision: str = doc("fp32", "Derived from fp16/bf16/precision keys: fp32, bfloat16 or fp16.")
-    fp16: Optional[dict] = doc(None, "DeepSpeed fp16 block: enabled, loss_scale (0 = dynamic), loss_scale_window, hysteresis, min_loss_scale, type.")
+    precision: str = doc("fp32", "Derived from fp16/bf16/precision keys: fp32, bfloat16 or fp16.",
+                         choices=("fp32", "bfloat16", "fp16"),
+                         aliases={"bf16": "bfloat16", "float32": "fp32", "float16": "fp16", "half": "fp16"})
+    fp16: Optional[dict] = doc(None, "DeepSpeed fp16 block: enabled, loss_scale (0 = dynamic), loss_scale_window, hysteresis, min_loss_scale, initial_scale_power, type.")
     bf16: Optional[dict] = doc(None, "DeepSpeed bf16 block: {enabled: bool}.")
     fp32_allreduce: bool = doc(False, "Reduce gradients in fp32 (gradients are always accumulated in fp32 here).")
 
 
 @dataclass
 class LoggingConfig:
-    log_dir: str = doc("logs", "Folder for metrics.jsonl and tensorboard events.")
-    log_interval: int = doc(10, "Log every this many steps.")
+    """Where metrics go."""
+    log_dir: str = doc("logs", "Folder for metrics.jsonl and tensorboard events (deepy also writes the run's config JSON here).")
+    log_interval: int = doc(10, "Log every this many steps.", ge=1)
     use_wandb: bool = doc(False, "Log to Weights & Biases (WANDB_MODE=offline works).")
     wandb_project: str = doc("neox-topo", "wandb project.")
     wandb_group: Optional[str] = doc(None, "wandb group.")
@@ -121,40 +137,67 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoint cadence and locations."""
     save: Optional[str] = doc(None, "Checkpoint folder to save into.")
     load: Optional[str] = doc(None, "Checkpoint folder to resume from (its `latest`).")
-    checkpoint_factor: Optional[int] = doc(None, "Save every this many steps.")
-    keep_last_n_checkpoints: Optional[int] = doc(None, "Keep only the newest n committed checkpoints.")
+    checkpoint_factor: Optional[int] = doc(None, "Save every this many steps.", ge=1)
+    keep_last_n_checkpoints: Optional[int] = doc(None, "Keep only the newest n committed checkpoints.", ge=1)
     finetune: bool = doc(False, "Load weights only; reset iteration, optimizer and data position.")
 
 
 @dataclass
 class ZeroConfig:
     """The ZeRO-topo engine: `zero_optimization` (DeepSpeed's keys plus ours)."""
-    stage: int = doc(0, "DeepSpeed meaning: 0=(1,1,1) DDP, 1=(1,1,N), 2=(1,N,N), 3=(N,N,N).")
-    preset: Optional[str] = doc(None, "hsdp | zeropp | zero_topo; overrides stage.")
-    shard_factors: Optional[list] = doc(None, "Explicit [w, g, os] with w | g | os | N; overrides stage and preset.")
-    zero_quantized_weights: bool = doc(False, "INT8 block-quantized weight gathers.")
-    zero_quantized_gradients: bool = doc(False, "INT4 block-quantized gradient reductions (all-to-all).")
-    resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.", derived=True)
+    stage: int = doc(0, "DeepSpeed meaning: 0=(1,1,1) DDP, 1=(1,1,N), 2=(1,N,N), 3=(N,N,N).",
+                     key="zero_optimization.stage", choices=(0, 1, 2, 3))
+    preset: Optional[str] = doc(None, "hsdp | zeropp | zero_topo; overrides stage.",
+                                key="zero_optimization.preset", choices=("hsdp", "zeropp", "zero_topo"))
+    shard_factors: Optional[list] = doc(None, "Explicit [w, g, os] with w | g | os | N; overrides stage and preset.",
+                                        key="zero_optimization.shard_factors")
+    zero_hpz_partition_size: int = doc(1, "DeepSpeed ZeRO++ hpZ: with stage 3, a value > 1 selects the zeropp preset; it must equal the ranks per node.",
+                                       key="zero_optimization.zero_hpz_partition_size", ge=1)
+    zero_quantized_weights: bool = doc(False, "INT8 block-quantized weight gathers.", key="zero_optimization.zero_quantized_weights")
+    zero_quantized_gradients: bool = doc(False, "INT4 block-quantized gradient reductions (all-to-all).", key="zero_optimization.zero_quantized_gradients")
+    zero_quantized_refresh: bool = doc(False, "INT8 block-quantized refresh of the weight shards from the optimizer slices across nodes (the cross-group hop).",
+                                       key="zero_optimization.zero_quantized_refresh")
+    quantization_block_size: int = doc(2048, "Elements per quantization block (one fp32 scale each); unit buffers are padded so no block straddles a shard.",
+                                       key="zero_optimization.quantization_block_size", ge=1)
+    quantization_error_feedback: bool = doc(False, "Keep each quantized reduction hop's local residual and add it next step (error feedback).",
+                                            key="zero_optimization.quantization_error_feedback")
+    resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
+                                           key="zero_optimization.resolved_factors", derived=True)
+    resolved_preset: Optional[str] = doc(None, "Derived: what the factors are called: ddp, zero1, zero2, zero3, hsdp, zeropp, zero_topo or custom.",
+                                          key="zero_optimization.resolved_preset", derived=True)
 
 
 @dataclass
 class TopologyConfig:
-    """Where ranks sit: our key `topology` (tiers fastest to slowest)."""
-    preset: Optional[str] = doc(None, "frontier | dgx | sim; None = a single process.")
-    simulate: Optional[list] = doc(None, "Simulated layout, fastest tier last, e.g. [2, 2, 2] = 2 nodes x 2 GPUs x 2 GCDs.")
-    world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).", derived=True)
+    """Where ranks sit: our key `topology` (tiers slowest first: nodes, GPUs, GCDs)."""
+    preset: Optional[str] = doc(None, "frontier (nodes x 4 GPUs x 2 GCDs) | dgx (nodes x 8 GPUs) | sim (needs simulate); None = a single process unless simulate is set.",
+                                key="topology.preset", choices=("frontier", "dgx", "sim"))
+    simulate: Optional[list] = doc(None, "Simulated layout on this machine, fastest tier last, e.g. [2, 2, 2] = 2 nodes x 2 GPUs x 2 GCDs, or [2, 2].",
+                                   key="topology.simulate")
+    layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, else 1 node); None for one process.",
+                                 key="topology.layout", derived=True)
+    world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).",
+                                      key="topology.world_size", derived=True)
 
 
 @dataclass
 class LauncherConfig:
-    launcher: str = doc("local", "local (this machine), slurm (srun) or hostfile.")
-    hostfile: Optional[str] = doc(None, "Hostfile for launcher=hostfile.")
-    num_nodes: int = doc(-1, "Nodes to use (-1 = all).")
-    num_gpus: Optional[int] = doc(None, "Ranks per node.")
-    master_port: int = doc(29500, "Rendezvous port.")
-    distributed_backend: str = doc("auto", "auto (nccl on GPUs, gloo on CPU), nccl or gloo.")
+    """How deepy.py starts the ranks."""
+    launcher: str = doc("local", "local (this machine), slurm (srun) or hostfile (DeepSpeed's launcher; NeoX's 'pdsh' means the same).",
+                        choices=("local", "slurm", "hostfile"), aliases={"pdsh": "hostfile"})
+    hostfile: Optional[str] = doc(None, "Hostfile for launcher=hostfile (lines `host slots=N`).")
+    include: Optional[str] = doc(None, "launcher=hostfile: DeepSpeed's --include NODE_SPEC (hosts/slots to use).")
+    exclude: Optional[str] = doc(None, "launcher=hostfile: DeepSpeed's --exclude NODE_SPEC.")
+    num_nodes: int = doc(-1, "Nodes to use (-1 = all); for topology presets also the node count of the layout.")
+    num_gpus: Optional[int] = doc(None, "Ranks per node (must match the topology preset when one is set).", ge=1)
+    master_addr: Optional[str] = doc(None, "Rendezvous host; default 127.0.0.1 (local), the first host of the allocation (slurm).")
+    master_port: Optional[int] = doc(None, "Rendezvous port; default a free port (local) or 29500 (slurm, hostfile).", ge=1, le=65535)
+    account: Optional[str] = doc(None, "launcher=slurm: srun --account.")
+    comment: Optional[str] = doc(None, "launcher=slurm: srun --comment.")
+    distributed_backend: str = doc("auto", "auto (nccl on GPUs, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))
 
 
 @dataclass
@@ -171,4 +214,5 @@ class NeoXConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    config_files: list = doc([], "Derived: the YAML files merged, in order, with their text.", derived=True)
+    config_files: list = doc([], "Derived: the YAML files merged, in order, as {path, text}.", derived=True)
+    overrides: list = doc([], "Derived: the --set key=value overrides applied after merging, in order.", derived=True)

@@ -1,0 +1,106 @@
+"""Predicted communication volume per rank per optimizer step, by phase and tier, per preset.
+
+Default: GPT-NeoX 20B (44 layers, hidden 6144, 64 heads, vocab 50,432, untied) on 48 Frontier nodes
+(layout 48 x 4 x 2 = 384 GCDs), bf16, gradient accumulation 1 and 8, for zero3, zeropp, hsdp and
+zero_topo. Bytes per rank are the ledger's world sum divided by N (ring hops that cross a node
+boundary are few and land on few ranks; the average is what the NICs of a node carry per GCD).
+
+    .venv/bin/python bench/comm_volume.py                 # the default table
+    .venv/bin/python bench/comm_volume.py --markdown      # the same as markdown (docs/communication.md)
+    .venv/bin/python bench/comm_volume.py --layers 2 --hidden 128 --heads 4 --vocab 512 --layout 2 2 2
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.zero_topo.comm_model import (  # noqa: E402
+    FRONTIER, PHASES, CommSpec, predict_ledger, simulate_step_time, transformer_block_units)
+from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
+
+LABELS = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}
+ALIASES = {label: preset for preset, label in LABELS.items()}
+GB = 1e9
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=44)
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=50432, help="padded vocabulary")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
+    p.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
+    p.add_argument("--layout", type=int, nargs="+", default=[48, 4, 2], help="tier sizes, slowest first")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtype-bytes", type=int, default=2, choices=(2, 4))
+    p.add_argument("--fp32-allreduce", action="store_true")
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--presets", nargs="+", default=["zero3", "zeropp", "hsdp", "zero_topo"])
+    p.add_argument("--tokens-per-micro-batch", type=int, default=2048, help="per rank, for the step time")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables")
+    return p.parse_args(argv)
+
+
+def table(header: list, rows: list, markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(("{:<%d}" if i == 0 else "{:>%d}") % w for i, w in enumerate(widths))
+    return "\n".join(fmt.format(*row) for row in [header] + rows)
+
+
+def heading(text: str, markdown: bool) -> None:
+    print(f"#### {text}\n" if markdown else text)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    units = neox_unit_sizes(args.layers, args.hidden, args.heads, args.vocab, args.intermediate, untied=not args.tied)
+    params = sum(units)
+    layout = tuple(args.layout)
+    n = math.prod(layout)
+    print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+          f"{'tied' if args.tied else 'untied'}: {params:,} parameters in {len(units)} units")
+    print(f"layout {' x '.join(map(str, layout))} = {n} ranks; compute dtype {args.dtype_bytes} bytes; "
+          f"bytes per rank = all ranks' bytes / {n}; 'x P' = bytes per rank / parameter count\n")
+    summary = []
+    for label in args.presets:
+        preset = ALIASES.get(label, label)
+        for a in args.micro_batches:
+            spec = CommSpec(units, layout, preset=preset, micro_batches=a, compute_bytes=args.dtype_bytes,
+                            fp32_allreduce=args.fp32_allreduce,
+                            checkpointed_units=transformer_block_units(len(units)) if args.checkpoint_activations
+                            else frozenset())
+            ledger = predict_ledger(spec)
+            tiers = list(spec.tiers)
+            rows = []
+            for phase in PHASES:
+                per_tier = [ledger.get((phase, t), 0) / n for t in tiers]
+                if any(per_tier):
+                    rows.append([phase] + [f"{b / GB:.3f}" for b in per_tier])
+            totals = [sum(ledger.get((p, t), 0) for p in PHASES) / n for t in tiers]
+            rows.append(["total"] + [f"{b / GB:.3f}" for b in totals])
+            rows.append(["x P"] + [f"{b / params:.4f}" for b in totals])
+            name = LABELS.get(preset, preset)
+            heading(f"{name}, gradient accumulation {a}: GB per rank per optimizer step", args.markdown)
+            print(table(["phase"] + tiers, rows, args.markdown) + "\n")
+            memory = predict_model_state_bytes(spec)["per_rank"]["total"]
+            time = simulate_step_time(spec, FRONTIER, args.tokens_per_micro_batch)
+            inter = totals[tiers.index("inter_node")]
+            summary.append([name, str(a), f"{inter / GB:.2f}", f"{inter / params:.3f}",
+                            f"{inter / params / a:.3f}", f"{memory / GB:.1f}",
+                            f"{time.compute_s:.2f}", f"{time.comm_total_s:.2f}"])
+    heading("summary (inter-node GB per rank per step; x P = / parameters; states = model states per rank;"
+            " times from the Frontier link model, no overlap assumed)", args.markdown)
+    print(table(["preset", "A", "inter GB", "x P", "x P / micro-step", "states GB", "compute s", "comm s"],
+                summary, args.markdown))
+
+
+if __name__ == "__main__":
+    main()

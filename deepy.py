@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""GPT-NeoX's launcher front end: merge YAML configs, validate once, start the ranks.
+
+    python deepy.py train.py configs/tiny-cpu.yml [more.yml ...] [--set KEY=VALUE ...] [-- script args]
+    python deepy.py --print-config configs/tiny-cpu.yml configs/sim-2x2x2.yml [--set ...]
+
+The validated config is written once as JSON (under log_dir) and every rank runs
+`train.py --neox-config-json PATH`; ranks never re-parse YAML. Mistakes end with one line on
+stderr and exit code 2, never a traceback (set NEOX_DEBUG=1 to see one for internal errors).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron.config import (ConfigError, NeoXConfig, config_to_dict, external_world_size_error, load_config,
+                             save_config_json, world_size_of)
+from megatron.launcher import launch
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yml"
+USAGE_EXIT = 2
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """Block mappings, flow lists: one line per field."""
+
+
+_ConfigDumper.add_representer(
+    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{message}; usage: deepy.py [--print-config] [train.py] CONFIG.yml ... [--set KEY=VALUE]")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="deepy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged, validated, derived config as YAML and exit (reads no data, touches no device)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override after merging; dotted keys reach into dicts (zero_optimization.stage=3); repeatable")
+    p.add_argument("-d", "--conf_dir", default=None, help="directory the config file names are relative to (NeoX's -d)")
+    p.add_argument("--rank-output", choices=("all", "errors"), default="all",
+                   help="local launcher: stream the other ranks' output prefixed (all) or only a failing rank's (errors)")
+    p.add_argument("args", nargs="*", metavar="[SCRIPT.py] CONFIG.yml",
+                   help="the training script (omit with --print-config), then config files merged in order")
+    return p
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Arguments after `--` go to the training script untouched."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def render_config(cfg: NeoXConfig) -> str:
+    """The config as YAML, one section per group; the merged files are listed by path only."""
+    data = config_to_dict(cfg)
+    data["config_files"] = [entry["path"] for entry in data["config_files"]]
+    header = (f"# NeoX-Topo config: {world_size_of(cfg)} rank(s), layout {cfg.topology.layout or [1]}, "
+              f"shard factors (w, g, os) = {tuple(cfg.zero.resolved_factors)}\n")
+    return header + yaml.dump(data, Dumper=_ConfigDumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+def write_run_config(cfg: NeoXConfig) -> Path:
+    """The JSON every rank reads: <log_dir>/neox_config_<time>_<pid>.json, else a temp dir."""
+    name = f"neox_config_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}.json"
+    try:
+        return save_config_json(cfg, Path(cfg.logging.log_dir) / name).resolve()
+    except OSError:
+        return save_config_json(cfg, Path(tempfile.mkdtemp(prefix="neox_config_")) / name).resolve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ours, script_args = split_args(list(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_intermixed_args(ours)
+    positional = list(args.args)
+    script = positional.pop(0) if positional and positional[0].endswith(".py") else None
+    if script is None and not args.print_config:
+        raise ConfigError("no training script given; usage: deepy.py train.py CONFIG.yml ... "
+                          "(or deepy.py --print-config CONFIG.yml ...)")
+    if script is not None and not args.print_config and not Path(script).is_file():
+        raise ConfigError(f"training script not found: {script}")
+    configs = [str(Path(args.conf_dir) / c) if args.conf_dir else c for c in positional]
+    if not configs:
+        configs = [str(DEFAULT_CONFIG)]
+        print(f"notice: no config file given: using {DEFAULT_CONFIG}", file=sys.stderr)
+    cfg = load_config(configs, args.overrides)
+    problem = external_world_size_error(cfg, os.environ)
+    if problem:
+        raise ConfigError(problem)
+    if args.print_config:
+        sys.stdout.write(render_config(cfg))
+        return 0
+    path = write_run_config(cfg)
+    print(f"deepy: {world_size_of(cfg)} rank(s), launcher {cfg.launcher.launcher}, "
+          f"shard factors {cfg.zero.resolved_factors}; config {path}", file=sys.stderr, flush=True)
+    return launch(cfg, script, str(path), extra_args=script_args, rank_output=args.rank_output)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """main() with the one-line error contract."""
+    try:
+        return main(argv)
+    except ConfigError as err:
+        print(f"deepy: error: {err}", file=sys.stderr)
+        return USAGE_EXIT
+    except Exception as err:  # an internal bug: still one line unless asked for the traceback
+        if os.environ.get("NEOX_DEBUG"):
+            raise
+        print(f"deepy: internal error: {type(err).__name__}: {err} (set NEOX_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,298 @@
+"""Cross-field validation and the values derived once: layout and world size, batch triple, padded
+vocabulary, warmup iterations, precision, defaults that depend on other keys, and ZeRO factors.
+
+Nothing here reads a data, tokenizer or checkpoint file or touches a device; the only outside input
+is the node count of a topology preset (launcher.num_nodes, else Slurm's variables, else 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+from megatron.config.errors import ConfigError, config_error
+from megatron.config.routing import GROUPS, Routed, yaml_key_of
+from megatron.config.schema import NeoXConfig
+
+CHAR_LEVEL_VOCAB = 512
+PRESET_NODE_SHAPE = {"frontier": [4, 2], "dgx": [8]}  # ranks per node, slowest tier first
+SLURM_NODE_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def pad_vocab_size(vocab_size: int, divisor: int) -> int:
+    """The vocabulary rounded up to a multiple of `divisor` (NeoX's padding, model parallel size 1)."""
+    if vocab_size < 1 or divisor < 1:
+        raise ConfigError(f"cannot pad a vocabulary of {vocab_size} to a multiple of {divisor}; both must be >= 1")
+    return -(-vocab_size // divisor) * divisor
+
+
+def world_size_of(cfg: NeoXConfig) -> int:
+    """Ranks of the configured layout: the derived topology.world_size, else the layout's product, else 1."""
+    topo = cfg.topology
+    if topo.world_size:
+        return int(topo.world_size)
+    layout = topo.layout or topo.simulate
+    return math.prod(int(n) for n in layout) if layout else 1
+
+
+class _Context:
+    """Names each typed field by the YAML key the user wrote (or would write) and its origin."""
+
+    def __init__(self, routed: Routed):
+        self.routed = routed
+
+    def key(self, target: str) -> str:
+        return self.routed.keys.get(target) or yaml_key_of(target)
+
+    def given(self, target: str) -> bool:
+        return target in self.routed.values
+
+    def error(self, target: str, problem: str, fix: Optional[str] = None) -> ConfigError:
+        return config_error(self.key(target), problem, self.routed.origin(target), fix)
+
+
+def build_config(routed: Routed, env: Mapping[str, str]) -> NeoXConfig:
+    """A NeoXConfig from routed values, validated, with every derived field filled in."""
+    groups = {name: factory() for name, factory in GROUPS.items()}
+    for target, value in routed.values.items():
+        group, name = target.split(".")
+        setattr(groups[group], name, value)
+    cfg = NeoXConfig(**groups)
+    ctx = _Context(routed)
+    for step in (_model, _optimizer, _lr_schedule, _vocab, _data, _precision, _layout, _batch, _zero, _launcher):
+        step(cfg, ctx, env)
+    return cfg
+
+
+def _model(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    m = cfg.model
+    if m.hidden_size % m.num_attention_heads:
+        raise ctx.error("model.num_attention_heads", f"{m.num_attention_heads} heads do not divide hidden_size {m.hidden_size}",
+                        "pick a head count that divides hidden_size")
+    head_dim = m.hidden_size // m.num_attention_heads
+    rotary = int(head_dim * m.rotary_pct)
+    if rotary < 2 or rotary % 2:
+        raise ctx.error("model.rotary_pct", f"{m.rotary_pct} of the head size {head_dim} rotates {rotary} dims; it must be an even number >= 2",
+                        "pick a rotary_pct that gives an even count")
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    elif m.max_position_embeddings < m.seq_length:
+        raise ctx.error("model.max_position_embeddings", f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
+                        "raise it or leave it unset (it defaults to seq_length)")
+    if m.intermediate_size is None:
+        m.intermediate_size = 4 * m.hidden_size
+
+
+def _optimizer(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    betas = cfg.optimizer.betas
+    if (len(betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in betas)
+            or not all(0.0 <= b < 1.0 for b in betas)):
+        raise ctx.error("optimizer.betas", f"expected two numbers in [0, 1), got {betas}", "e.g. betas: [0.9, 0.95]")
+    cfg.optimizer.betas = [float(b) for b in betas]
+
+
+def _lr_schedule(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    s, iters = cfg.lr_schedule, cfg.training.train_iters
+    if s.lr_decay_fraction is not None:
+        if s.lr_decay_iters is not None:
+            raise ctx.error("lr_schedule.lr_decay_fraction", "and lr_decay_iters are both set", "keep one of the two")
+        s.lr_decay_iters = max(1, round(s.lr_decay_fraction * iters))
+    if s.lr_decay_iters is None:
+        s.lr_decay_iters = iters
+    s.warmup_iters = math.floor(s.warmup * s.lr_decay_iters + 0.5)  # round half up
+    if s.min_lr > cfg.optimizer.lr:
+        raise ctx.error("lr_schedule.min_lr", f"{s.min_lr} is above the peak lr {cfg.optimizer.lr}", "lower min_lr or raise lr")
+
+
+def _vocab(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    tok = cfg.tokenizer
+    known = tok.vocab_size
+    if tok.tokenizer_type == "CharLevelTokenizer":
+        if known is not None and known != CHAR_LEVEL_VOCAB:
+            raise ctx.error("tokenizer.vocab_size", f"{known} disagrees with CharLevelTokenizer's {CHAR_LEVEL_VOCAB}",
+                            "remove vocab_size")
+        known = CHAR_LEVEL_VOCAB
+    if known is not None:
+        cfg.model.padded_vocab_size = pad_vocab_size(known, cfg.model.make_vocab_size_divisible_by)
+
+
+def _data(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    d = cfg.data
+    parts = [p.strip() for p in d.split.split(",")]
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        shares = []
+    if not 1 <= len(shares) <= 3 or any(x < 0 for x in shares) or sum(shares) <= 0:
+        raise ctx.error("data.split", f"{d.split!r} is not 1 to 3 comma-separated non-negative proportions",
+                        "e.g. split: '969,30,1'")
+    if d.data_path is not None and d.train_data_paths:
+        raise ctx.error("data.train_data_paths", "and data_path are both set", "use data_path (split by `split`) or the three *_data_paths lists")
+    for kind in ("train", "valid", "test"):
+        paths, weights = getattr(d, f"{kind}_data_paths"), getattr(d, f"{kind}_data_weights")
+        if paths is not None and not all(isinstance(p, str) for p in paths):
+            raise ctx.error(f"data.{kind}_data_paths", f"expected a list of path prefixes, got {paths}")
+        if weights is None:
+            continue
+        if any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights):
+            raise ctx.error(f"data.{kind}_data_weights", f"expected non-negative numbers, got {weights}")
+        if paths is None or len(weights) != len(paths):
+            raise ctx.error(f"data.{kind}_data_weights", f"has {len(weights)} weights for {len(paths or [])} paths",
+                            f"give one weight per entry of {kind}_data_paths")
+
+
+def _precision(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    """NeoX writes bf16 three ways; fp16 enabled means fp16 unless its type is bfloat16."""
+    p = cfg.precision
+    claims: list[tuple[str, str]] = []
+    if p.fp16 and p.fp16.get("enabled", False):
+        kind = str(p.fp16.get("type", "fp16")).lower()
+        if kind not in ("fp16", "float16", "half", "bfloat16", "bf16"):
+            raise ctx.error("precision.fp16", f"type {p.fp16.get('type')!r} is not supported", "use type: bfloat16 or leave it out")
+        claims.append(("fp16.enabled", "bfloat16" if kind in ("bfloat16", "bf16") else "fp16"))
+    if p.bf16 and p.bf16.get("enabled", False):
+        claims.append(("bf16.enabled", "bfloat16"))
+    if ctx.given("precision.precision"):
+        claims.append(("precision", p.precision))
+    wanted = {value for _, value in claims}
+    if len(wanted) > 1:
+        said = ", ".join(f"{key} asks for {value}" for key, value in claims)
+        raise ctx.error("precision.precision", f"the precision keys disagree: {said}", "keep one way of saying it")
+    p.precision = wanted.pop() if wanted else "fp32"
+
+
+def _positive_ints(value, count: tuple[int, ...]) -> bool:
+    return (isinstance(value, list) and len(value) in count
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value))
+
+
+def preset_nodes(cfg: NeoXConfig, env: Mapping[str, str]) -> int:
+    """Nodes of a topology preset: launcher.num_nodes, else the Slurm allocation, else 1."""
+    if cfg.launcher.num_nodes > 0:
+        return cfg.launcher.num_nodes
+    for var in SLURM_NODE_VARS:
+        if env.get(var):
+            try:
+                return max(1, int(env[var]))
+            except ValueError:
+                raise ConfigError(f"environment variable {var}={env[var]!r} is not a node count; unset it or set num_nodes") from None
+    return 1
+
+
+def _layout(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    t = cfg.topology
+    if t.simulate is not None:
+        if not _positive_ints(t.simulate, (2, 3)):
+            raise ctx.error("topology.simulate", f"expected [nodes, gpus] or [nodes, gpus, gcds] of positive integers, got {t.simulate}",
+                            "e.g. simulate: [2, 2, 2]")
+        t.layout = list(t.simulate)
+    elif t.preset in PRESET_NODE_SHAPE:
+        per_node = PRESET_NODE_SHAPE[t.preset]
+        if cfg.launcher.num_gpus is not None and cfg.launcher.num_gpus != math.prod(per_node):
+            raise ctx.error("launcher.num_gpus", f"{cfg.launcher.num_gpus} disagrees with topology preset {t.preset} "
+                            f"({math.prod(per_node)} ranks per node)", "remove num_gpus or the preset")
+        t.layout = [preset_nodes(cfg, env)] + per_node
+    elif t.preset == "sim":
+        raise ctx.error("topology.preset", "'sim' needs topology.simulate", "add simulate: [nodes, gpus, gcds], e.g. [2, 2, 2]")
+    else:
+        t.layout = None
+    if cfg.launcher.num_nodes == 0 or cfg.launcher.num_nodes < -1:
+        raise ctx.error("launcher.num_nodes", f"must be -1 (all) or a positive count, got {cfg.launcher.num_nodes}")
+    t.world_size = math.prod(t.layout) if t.layout else 1
+
+
+def _batch(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    """NeoX/DeepSpeed's rule: any two of the triple give the third; all three must multiply out."""
+    tr, dp = cfg.training, cfg.topology.world_size
+    batch, micro, accum = tr.train_batch_size, tr.train_micro_batch_size_per_gpu, tr.gradient_accumulation_steps
+    where = f"data-parallel size {dp}"
+    if batch is not None and micro is not None and accum is not None:
+        if batch != micro * accum * dp:
+            raise ctx.error("training.train_batch_size", f"{batch} != train_micro_batch_size_per_gpu {micro} x "
+                            f"gradient_accumulation_steps {accum} x {where} = {micro * accum * dp}", "give two of the three and let the third be derived")
+    elif batch is not None and micro is not None:
+        if batch % (micro * dp):
+            raise ctx.error("training.train_batch_size", f"{batch} is not a multiple of train_micro_batch_size_per_gpu {micro} x {where}",
+                            "make the global batch a multiple of micro x ranks")
+        accum = batch // (micro * dp)
+    elif batch is not None and accum is not None:
+        if batch % (accum * dp):
+            raise ctx.error("training.train_batch_size", f"{batch} is not a multiple of gradient_accumulation_steps {accum} x {where}")
+        micro = batch // (accum * dp)
+    elif micro is not None:
+        accum = accum or 1
+        batch = micro * accum * dp
+    elif batch is not None:
+        if batch % dp:
+            raise ctx.error("training.train_batch_size", f"{batch} is not a multiple of the {where}")
+        micro, accum = batch // dp, 1
+    else:
+        # NeoX would stop here; an overlay config (local_setup.yml) loaded alone deserves a result.
+        micro, accum = 1, accum or 1
+        batch = micro * accum * dp
+        ctx.routed.messages.append("no train_batch_size or train_micro_batch_size_per_gpu given: "
+                                   "using train_micro_batch_size_per_gpu 1")
+    tr.train_batch_size, tr.train_micro_batch_size_per_gpu, tr.gradient_accumulation_steps = batch, micro, accum
+
+
+def check_factors(factors: list, world_size: int) -> Optional[str]:
+    """None when w | g | os | N; else which divisibility fails."""
+    w, g, os_ = factors
+    for small, big, name_small, name_big in ((w, g, "w", "g"), (g, os_, "g", "os"), (os_, world_size, "os", "N")):
+        if big % small:
+            return f"{name_small}={small} does not divide {name_big}={big}"
+    return None
+
+
+def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    z, layout, n = cfg.zero, cfg.topology.layout, cfg.topology.world_size
+    per_node = math.prod(layout[1:]) if layout else 1
+    fastest = layout[-1] if layout else 1
+    hpz = z.zero_hpz_partition_size
+    if hpz > 1:
+        if z.shard_factors is None and z.preset is None and z.stage != 3:
+            raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} needs stage 3 (ZeRO++ hpZ)", "set stage: 3 or preset: zeropp")
+        if hpz != per_node:
+            raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} is not the ranks per node ({per_node}) of this layout",
+                            f"set it to {per_node} or use preset: zeropp")
+        if z.shard_factors is None and z.preset is None:
+            z.preset = "zeropp"
+    if z.shard_factors is not None:
+        if not _positive_ints(z.shard_factors, (3,)):
+            raise ctx.error("zero.shard_factors", f"expected [w, g, os] of positive integers, got {z.shard_factors}")
+        factors, name = list(z.shard_factors), "custom"
+    elif z.preset is not None:
+        factors = {"hsdp": [per_node] * 3, "zeropp": [n] * 3, "zero_topo": [fastest, per_node, n]}[z.preset]
+        name = z.preset
+    else:
+        factors = {0: [1, 1, 1], 1: [1, 1, n], 2: [1, n, n], 3: [n, n, n]}[z.stage]
+        name = STAGE_NAMES[z.stage]
+    problem = check_factors(factors, n)
+    if problem:
+        target = "zero.shard_factors" if z.shard_factors is not None else "zero.preset"
+        raise ctx.error(target, f"{factors} do not nest on {n} ranks: {problem}", "shard factors need w | g | os | N")
+    z.resolved_factors, z.resolved_preset = factors, name
+
+
+def _launcher(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    la = cfg.launcher
+    if la.launcher == "hostfile" and not la.hostfile:
+        raise ctx.error("launcher.launcher", "hostfile needs `hostfile: PATH` (lines `host slots=N`)", "set hostfile")
+
+
+def external_world_size_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:
+    """A message when WORLD_SIZE (or SLURM_NTASKS under launcher slurm) disagrees with the layout."""
+    expected = world_size_of(cfg)
+    names = ["WORLD_SIZE"] + (["SLURM_NTASKS"] if cfg.launcher.launcher == "slurm" else [])
+    for name in names:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            given = int(raw)
+        except ValueError:
+            return f"environment variable {name}={raw!r} is not a rank count"
+        if given != expected:
+            return (f"the configured layout has {expected} ranks (topology.layout {cfg.topology.layout or [1]}) but "
+                    f"{name}={given}; make topology match the allocation (simulate, or the preset's node count)")
+    return None

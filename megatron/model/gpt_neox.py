@@ -1,0 +1,307 @@
+"""The GPT-NeoX model, with exactly the semantics of Hugging Face ``GPTNeoXForCausalLM``.
+
+Shape of the model, as the sharding engine sees it: three kinds of *unit*, run in this order by
+``forward`` and each called exactly once per forward (so hooks placed on units fire once):
+
+    embed   Embedding      token embedding (+ hidden dropout)
+    layers  [Block] * L    pre-LayerNorm transformer blocks, rotary attention through SDPA
+    final   OutputHead     final LayerNorm + output projection (optionally tied to the embedding)
+
+Units hold parameters only. The rotary cos/sin tables are non-persistent buffers of the top-level
+model, sliced to the sequence length and passed to every block, so a unit never owns a buffer the
+engine would have to shard or move.
+
+Parameter names inside units are Hugging Face's (``attention.query_key_value``, ``mlp.dense_h_to_4h``,
+...), and the fused QKV projection uses HF's layout (per head ``[q | k | v]``), so converting to or
+from HF is a renaming of prefixes, never a permutation (see ``megatron/checkpointing/hf.py``).
+No distributed code lives here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from megatron.config.errors import ConfigError
+from megatron.config.schema import ModelConfig
+
+# Names (suffixes) of the weights initialised with ``output_layer_init_method``: the projections that
+# write back into the residual stream. Every other matrix uses ``init_method``.
+OUTPUT_SIDE_WEIGHTS = ("attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+INIT_METHODS = ("normal", "scaled_normal", "small_init", "wang_init", "xavier_normal", "xavier_uniform")
+
+
+class ModelConfigError(ConfigError, ValueError):
+    """A model configuration that cannot be built; the message is one line naming the key.
+
+    A ConfigError, so the launcher reports it as the one-line user error it is.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
+# Derived sizes (the dataclass leaves some of them None)
+# ---------------------------------------------------------------------------------------------------
+
+def intermediate_size_of(cfg: ModelConfig) -> int:
+    """MLP inner width: ``intermediate_size``, or 4 x hidden when unset."""
+    return cfg.intermediate_size if cfg.intermediate_size is not None else 4 * cfg.hidden_size
+
+
+def max_positions_of(cfg: ModelConfig) -> int:
+    """Length of the rotary table: ``max_position_embeddings``, or ``seq_length`` when unset."""
+    return cfg.max_position_embeddings if cfg.max_position_embeddings is not None else cfg.seq_length
+
+
+def rotary_dims_of(cfg: ModelConfig) -> int:
+    """How many leading dimensions of each head are rotated (HF/NeoX: ``int(head_dim * rotary_pct)``)."""
+    return int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_pct)
+
+
+def validate_model_config(cfg: ModelConfig, vocab_size: int | None) -> None:
+    """Refuse, with one clear line, any configuration this model does not implement."""
+    def fail(msg: str) -> None:
+        raise ModelConfigError(f"model config: {msg}")
+
+    if vocab_size is None or vocab_size <= 0:
+        fail("vocabulary size unknown: set padded_vocab_size (derived from the tokenizer) or pass vocab_size")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(cfg, key) <= 0:
+            fail(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        fail(f"num_attention_heads ({cfg.num_attention_heads}) must divide hidden_size ({cfg.hidden_size})")
+    if cfg.pos_emb != "rotary":
+        fail(f"pos_emb '{cfg.pos_emb}' is not supported; use 'rotary'")
+    if cfg.norm != "layernorm":
+        fail(f"norm '{cfg.norm}' is not supported; use 'layernorm'")
+    if cfg.activation != "gelu":
+        fail(f"activation '{cfg.activation}' is not supported; use 'gelu'")
+    if not 0.0 < cfg.rotary_pct <= 1.0:
+        fail(f"rotary_pct must be in (0, 1], got {cfg.rotary_pct}")
+    rot = rotary_dims_of(cfg)
+    if rot < 2 or rot % 2:
+        fail(f"rotary_pct {cfg.rotary_pct} rotates {rot} dims per head; it must be an even number >= 2")
+    if cfg.checkpoint_num_layers != 1:
+        fail(f"checkpoint_num_layers {cfg.checkpoint_num_layers} is not supported; use 1")
+    if max_positions_of(cfg) < cfg.seq_length:
+        fail(f"max_position_embeddings ({cfg.max_position_embeddings}) is shorter than seq_length ({cfg.seq_length})")
+    for key in ("init_method", "output_layer_init_method"):
+        if getattr(cfg, key) not in INIT_METHODS:
+            fail(f"{key} '{getattr(cfg, key)}' is unknown; choose one of {', '.join(INIT_METHODS)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary position embedding (NeoX / HF "rotate_half" convention)
+# ---------------------------------------------------------------------------------------------------
+
+def rotary_tables(rotary_dims: int, max_positions: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [max_positions, rotary_dims], computed in fp32 as HF does."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float32) / rotary_dims))
+    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)  # frequencies repeat over the two halves
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of x [B, heads, T, head_dim]; the rest pass through."""
+    n = cos.shape[-1]
+    x_rot, x_pass = x[..., :n], x[..., n:]
+    first, second = x_rot.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)
+    return torch.cat((x_rot * cos + rotated_half * sin, x_pass), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Units
+# ---------------------------------------------------------------------------------------------------
+
+class Embedding(nn.Module):
+    """Unit 0: token ids [B, T] -> hidden states [B, T, H]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dropout: float):
+        super().__init__()
+        self.embed_in = nn.Embedding(vocab_size, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.embed_in(tokens))
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head attention with a fused QKV projection laid out per head as [q | k | v]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, attention_dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.attention_dropout = attention_dropout
+        self.query_key_value = nn.Linear(hidden_size, 3 * hidden_size)
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        # [B, T, 3H] -> [B, heads, T, 3 * head_dim]; each head's slice is its own q, k, v in turn.
+        qkv = self.query_key_value(x).view(batch, seq, self.num_heads, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        dropout = self.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class MLP(nn.Module):
+    """Two-layer feed-forward with exact (erf) GELU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(hidden_size, intermediate_size)
+        self.dense_4h_to_h = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class Block(nn.Module):
+    """One transformer block: parallel residual (gpt_j_residual, two LayerNorms) or sequential."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.parallel_residual = cfg.gpt_j_residual
+        self.input_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+        self.attention = SelfAttention(h, cfg.num_attention_heads, cfg.attention_dropout)
+        self.mlp = MLP(h, intermediate_size_of(cfg))
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        attn = self.dropout(self.attention(self.input_layernorm(x), rope))
+        if self.parallel_residual:
+            return x + attn + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = x + attn
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OutputHead(nn.Module):
+    """Last unit: final LayerNorm and the projection to vocabulary logits (no bias, as HF)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float):
+        super().__init__()
+        self.final_layer_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.embed_out = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed_out(self.final_layer_norm(x))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Initialisation (NeoX's methods)
+# ---------------------------------------------------------------------------------------------------
+
+def init_std(method: str, cfg: ModelConfig) -> float | None:
+    """Standard deviation of a normal init method; None for the xavier methods (shape dependent)."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    stds = {
+        "normal": cfg.init_method_std,
+        "scaled_normal": cfg.init_method_std / math.sqrt(2.0 * layers),
+        "small_init": math.sqrt(2.0 / (5.0 * h)),  # Nguyen & Salazar (2019)
+        "wang_init": 2.0 / (layers * math.sqrt(h)),  # Wang (2021), used by GPT-J / NeoX
+    }
+    if method in stds:
+        return stds[method]
+    if method in ("xavier_normal", "xavier_uniform"):
+        return None
+    raise ModelConfigError(f"model config: init method '{method}' is unknown; choose one of {', '.join(INIT_METHODS)}")
+
+
+def init_function(method: str, cfg: ModelConfig) -> Callable[[torch.Tensor], None]:
+    """An in-place initialiser for a weight matrix, drawing from the default torch RNG."""
+    std = init_std(method, cfg)
+    if method == "xavier_normal":
+        return nn.init.xavier_normal_
+    if method == "xavier_uniform":
+        return nn.init.xavier_uniform_
+    return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+
+class GPTNeoX(nn.Module):
+    """GPT-NeoX causal language model: ``forward(tokens [B, T]) -> logits [B, T, V]``."""
+
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int | None = None):
+        super().__init__()
+        vocab_size = vocab_size if vocab_size is not None else model_cfg.padded_vocab_size
+        validate_model_config(model_cfg, vocab_size)
+        self.config = model_cfg
+        self.vocab_size = vocab_size
+        self.checkpoint_activations = model_cfg.checkpoint_activations
+        h = model_cfg.hidden_size
+
+        self.embed = Embedding(vocab_size, h, model_cfg.hidden_dropout)
+        self.layers = nn.ModuleList(Block(model_cfg) for _ in range(model_cfg.num_layers))
+        self.final = OutputHead(vocab_size, h, model_cfg.layernorm_epsilon)
+        if not model_cfg.no_weight_tying:
+            self.final.embed_out.weight = self.embed.embed_in.weight
+
+        cos, sin = rotary_tables(rotary_dims_of(model_cfg), max_positions_of(model_cfg), model_cfg.rotary_emb_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @property
+    def has_tied_embeddings(self) -> bool:
+        """True when the output layer reuses the input embedding's weight (shared across two units)."""
+        return self.final.embed_out.weight is self.embed.embed_in.weight
+
+    def units(self) -> list[nn.Module]:
+        """The modules the engine shards, in forward order: [embed, *layers, final]."""
+        return [self.embed, *self.layers, self.final]
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter as NeoX does; deterministic under ``torch.manual_seed``.
+
+        Also recomputes the rotary tables, so a model built on the meta device can be materialised
+        with ``to_empty`` and then initialised here.
+        """
+        cfg = self.config
+        init_in = init_function(cfg.init_method, cfg)
+        init_out = init_function(cfg.output_layer_init_method, cfg)
+        for name, param in self.named_parameters():  # deduplicated: a tied weight is drawn once
+            if ("layernorm" in name or "layer_norm" in name) and name.endswith("weight"):
+                nn.init.ones_(param)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(OUTPUT_SIDE_WEIGHTS):
+                init_out(param)
+            else:
+                init_in(param)
+        cos, sin = rotary_tables(rotary_dims_of(cfg), max_positions_of(cfg), cfg.rotary_emb_base)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ModelConfigError(
+                f"model: sequence of {seq} tokens exceeds max_position_embeddings ({self.rope_cos.shape[0]})")
+        h = self.embed(tokens)
+        rope = (self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype))
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            # Early stop off: the recompute in backward runs the whole block's __call__, so the
+            # engine's pre- AND post-forward hooks fire again (gather, then free) for every block.
+            with set_checkpoint_early_stop(False):
+                for block in self.layers:
+                    h = checkpoint(block, h, rope, use_reentrant=False)
+        else:
+            for block in self.layers:
+                h = block(h, rope)
+        return self.final(h)

@@ -1,0 +1,59 @@
+"""Parameter counts and FLOPs of the GPT-NeoX model, from its configuration alone.
+
+These are pure arithmetic on ``ModelConfig`` so that planners and throughput logging can size a 20B
+model without building it; a test checks them against a built ``GPTNeoX``.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from megatron.config.schema import ModelConfig
+from megatron.model.gpt_neox import intermediate_size_of
+
+
+def unit_parameter_counts(model_cfg: ModelConfig, vocab_size: int) -> list[int]:
+    """Parameters of each unit in forward order ``[embed, *layers, final]``.
+
+    With tied embeddings the shared matrix is counted once, in the embedding unit; the final unit
+    then holds only its LayerNorm.
+    """
+    h, f, v = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size
+    embed = v * h
+    block = (
+        2 * (2 * h)              # input and post-attention LayerNorms (weight + bias)
+        + (3 * h * h + 3 * h)    # fused QKV projection
+        + (h * h + h)            # attention output projection
+        + (h * f + f)            # MLP in
+        + (f * h + h)            # MLP out
+    )
+    final = 2 * h + (v * h if model_cfg.no_weight_tying else 0)
+    return [embed] + [block] * model_cfg.num_layers + [final]
+
+
+def parameter_count(model_cfg: ModelConfig, vocab_size: int) -> int:
+    """Total distinct parameters of the model (a tied embedding counted once)."""
+    return sum(unit_parameter_counts(model_cfg, vocab_size))
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Distinct parameters of a built module (``parameters()`` already skips a shared tensor)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
+    """Training FLOPs (forward + backward) per token, the quantity TFLOPS and MFU are reported in.
+
+    Formula (model FLOPs: recomputation under activation checkpointing is not counted, the causal
+    mask is not discounted, biases / norms / softmax are neglected):
+
+        matmul weights  M = L * (3h^2 + h^2 + 2hf) + hV     (QKV, attn out, MLP in + out, output layer;
+                                                            the input embedding is a lookup, not a matmul)
+        forward         F = 2M + L * 2 * (2 * s * h)        (QK^T and attention-times-V per token)
+        training          = 3F                              (backward costs twice the forward)
+
+    which is the familiar ``6N + 12 L h s`` with N the matmul weights.
+    """
+    h, f, v, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size, model_cfg.num_layers
+    matmul_weights = layers * (3 * h * h + h * h + 2 * h * f) + h * v
+    forward = 2 * matmul_weights + layers * 2 * (2 * seq_length * h)
+    return float(3 * forward)

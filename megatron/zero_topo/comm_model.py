@@ -1,0 +1,457 @@
+"""Analytic communication model of the ZeRO-topo engine: bytes per (phase, tier) and a step time.
+
+This module restates the algorithm of ``docs/engine.md`` from scratch and imports nothing from the
+engine or from ``megatron.topology``: the tests compare the engine's byte ledger with this
+prediction entry by entry, so the two must be independent statements of the same algorithm.
+
+Vocabulary shared with the ledger: a *collective* (op) runs in every *group* of one kind (weight,
+stride, cross, replica, node, world); each member sends to the next member of its group's sorted
+ring, and every send is charged to the *tier* between the two ranks and to a *phase*.
+
+Extension point for quantization: ``CommSpec.quant`` names per-phase ``PhaseQuant`` settings. They
+are refused for now; when the quantized payload format is fixed, ``padding_quantum`` multiplies by
+the block size and ``_step_collectives`` emits the quantized ops (an all-to-all for reductions,
+whose per-peer charging ``_sent_bytes`` already implements).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from megatron.config.errors import ConfigError
+
+PHASES = ("fwd_gather", "bwd_gather", "recompute_gather", "grad_reduce", "cross_grad_reduce",
+          "replica_allreduce", "refresh", "control", "eval_gather")
+# Tier names by layout depth, slowest tier first (the layout's order).
+TIERS_BY_DEPTH = {2: ("inter_node", "intra_node"), 3: ("inter_node", "intra_node", "intra_gpu")}
+LADDER_PRESETS = ("stage0", "stage1", "stage2", "stage3", "hsdp", "zero_topo")
+PRESETS = LADDER_PRESETS + ("zeropp",)
+
+ALLGATHER, REDUCE_SCATTER, ALLREDUCE, ALL_TO_ALL = "allgather", "reduce_scatter", "allreduce", "all_to_all"
+FP32_BYTES, FP64_BYTES = 4, 8
+
+Ledger = dict  # dict[(phase, tier), int]: bytes sent per optimizer step
+
+
+class CommModelError(ConfigError, ValueError):
+    """A CommSpec the model cannot describe (bad layout, factors, preset...): a one-line user error."""
+
+
+@dataclass(frozen=True)
+class PhaseQuant:
+    """Block quantization of one phase's payload (extension point; not modelled yet)."""
+    bits: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """Everything the model needs about one optimizer step of one run."""
+    unit_numels: tuple
+    """Parameter count P_u of each unit in forward order: embedding, blocks..., final norm + head."""
+    layout: tuple
+    """Tier sizes slowest first: (nodes, gpus, gcds) or (nodes, ranks per node)."""
+    preset: Optional[str] = None
+    """One of PRESETS; exactly one of preset / factors is given."""
+    factors: Optional[tuple] = None
+    """Explicit (w, g, os) with w | g | os | N (a ladder configuration)."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches A per optimizer step."""
+    compute_bytes: int = 4
+    """Compute dtype size c: 4 (fp32) or 2 (bf16/fp16)."""
+    fp32_allreduce: bool = False
+    """Step-boundary gradient hops (cross, replica) in fp32 instead of the compute dtype."""
+    checkpointed_units: frozenset = frozenset()
+    """Indices of units run under activation checkpointing (see ``transformer_block_units``)."""
+    eval_forward_passes: int = 0
+    """Evaluation micro-batches in this step's window (with their one eval-loss allreduce)."""
+    loss_vector_len: int = 2
+    """Elements of the trainer's float64 loss vector (loss sum, count)."""
+    ledger_vector_len: int = len(PHASES) * 3
+    """Elements of the ledger's float64 sync vector (phases x tiers counters)."""
+    quant: Mapping = field(default_factory=dict)
+    """Extension point: {phase: PhaseQuant}; must be empty until quantization is modelled."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit_numels", tuple(int(p) for p in self.unit_numels))
+        object.__setattr__(self, "layout", tuple(int(n) for n in self.layout))
+        object.__setattr__(self, "checkpointed_units", frozenset(self.checkpointed_units))
+        if self.factors is not None:
+            object.__setattr__(self, "factors", tuple(int(f) for f in self.factors))
+        _validate(self)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.layout)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return math.prod(self.layout[1:])
+
+    @property
+    def tiers(self) -> tuple:
+        return TIERS_BY_DEPTH[len(self.layout)]
+
+    @property
+    def is_zeropp(self) -> bool:
+        return self.preset == "zeropp"
+
+    def resolved_factors(self) -> tuple:
+        """(w, g, os); zeropp reports (N, N, N), its primary sharding."""
+        if self.factors is not None:
+            return self.factors
+        return preset_factors(self.preset, self.layout)
+
+
+def transformer_block_units(num_units: int) -> frozenset:
+    """The units activation checkpointing covers: every unit but the embedding and the final one."""
+    return frozenset(range(1, num_units - 1))
+
+
+def preset_factors(preset: str, layout: tuple) -> tuple:
+    """(w, g, os) of a named preset on a layout (engine.md, "Presets")."""
+    n, r = math.prod(layout), math.prod(layout[1:])
+    table = {"stage0": (1, 1, 1), "stage1": (1, 1, n), "stage2": (1, n, n), "stage3": (n, n, n),
+             "hsdp": (r, r, r), "zero_topo": (layout[-1], r, n), "zeropp": (n, n, n)}
+    if preset not in table:
+        raise CommModelError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    return table[preset]
+
+
+def _validate(spec: CommSpec) -> None:
+    if len(spec.layout) not in TIERS_BY_DEPTH or min(spec.layout) < 1:
+        raise CommModelError(f"layout must be 2 or 3 positive tier sizes, slowest first; got {spec.layout}")
+    if not spec.unit_numels or min(spec.unit_numels) < 1:
+        raise CommModelError("unit_numels must be a non-empty list of positive parameter counts")
+    if (spec.preset is None) == (spec.factors is None):
+        raise CommModelError("give exactly one of preset or factors")
+    if spec.factors is not None:
+        if len(spec.factors) != 3 or min(spec.factors) < 1:
+            raise CommModelError(f"factors must be three positive integers (w, g, os); got {spec.factors}")
+        w, g, os_ = spec.factors
+        n = spec.world_size
+        if g % w or os_ % g or n % os_:
+            raise CommModelError(f"factors (w={w}, g={g}, os={os_}) must satisfy w | g | os | N={n}")
+    else:
+        preset_factors(spec.preset, spec.layout)
+    if spec.micro_batches < 1 or spec.eval_forward_passes < 0:
+        raise CommModelError("micro_batches must be >= 1 and eval_forward_passes >= 0")
+    if spec.compute_bytes not in (2, 4):
+        raise CommModelError(f"compute_bytes must be 2 or 4; got {spec.compute_bytes}")
+    if not spec.checkpointed_units <= set(range(len(spec.unit_numels))):
+        raise CommModelError(f"checkpointed_units {sorted(spec.checkpointed_units)} name units that do not exist")
+    if spec.loss_vector_len < 1 or spec.ledger_vector_len < 1:
+        raise CommModelError("loss_vector_len and ledger_vector_len must be >= 1")
+    if spec.quant:
+        raise CommModelError(f"quantized phases ({', '.join(sorted(spec.quant))}) are not modelled yet")
+
+
+# -- padding -------------------------------------------------------------------------------------
+
+def padding_quantum(spec: CommSpec) -> int:
+    """q: every unit buffer is padded to a multiple of q (os for ladder presets, N for zeropp)."""
+    # Quantization will multiply q by its block size here, so no block straddles a shard.
+    return spec.world_size if spec.is_zeropp else spec.resolved_factors()[2]
+
+
+def padded_unit_numels(spec: CommSpec) -> tuple:
+    """S_u = ceil(P_u / q) * q for every unit."""
+    q = padding_quantum(spec)
+    return tuple(-(-p // q) * q for p in spec.unit_numels)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# -- ranks, tiers, groups ------------------------------------------------------------------------
+
+def rank_coords(rank: int, layout: tuple) -> tuple:
+    """Mixed-radix digits of a rank, slowest tier first: (node, gpu, gcd) or (node, local)."""
+    digits = []
+    for size in reversed(layout):
+        digits.append(rank % size)
+        rank //= size
+    return tuple(reversed(digits))
+
+
+def tier_between(a: int, b: int, layout: tuple) -> str:
+    """The slowest tier in which the coordinates of two distinct ranks differ."""
+    ca, cb = rank_coords(a, layout), rank_coords(b, layout)
+    for tier, da, db in zip(TIERS_BY_DEPTH[len(layout)], ca, cb):
+        if da != db:
+            return tier
+    raise CommModelError(f"no tier between rank {a} and itself")
+
+
+def ring_hops(group: list, layout: tuple) -> list:
+    """(sender, receiver, tier) for each member of a sorted ring, the last wrapping to the first."""
+    ranks = sorted(group)
+    return [(src, dst, tier_between(src, dst, layout))
+            for src, dst in zip(ranks, ranks[1:] + ranks[:1])] if len(ranks) > 1 else []
+
+
+def groups_of_kind(kind: str, spec: CommSpec) -> list:
+    """All groups of one kind, each a sorted rank list (engine.md, "Groups")."""
+    n, r = spec.world_size, spec.ranks_per_node
+    w, g, os_ = spec.resolved_factors()
+    if kind == "weight":
+        return [list(range(b * w, b * w + w)) for b in range(n // w)]
+    if kind == "stride":
+        return [[gb + i * w + pos for i in range(g // w)] for gb in range(0, n, g) for pos in range(w)]
+    if kind == "cross":
+        return [[ob + j * g + pos for j in range(os_ // g)] for ob in range(0, n, os_) for pos in range(g)]
+    if kind == "replica":
+        return [[k * os_ + pos for k in range(n // os_)] for pos in range(os_)]
+    if kind == "node":
+        return [list(range(node * r, node * r + r)) for node in range(n // r)]
+    if kind == "world":
+        return [list(range(n))]
+    raise CommModelError(f"unknown group kind {kind!r}")
+
+
+# -- the algorithm as a list of collectives ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective issued in every group of a kind, `count` times per optimizer step."""
+    phase: str
+    op: str
+    group: str
+    numel: int
+    """Elements of the full buffer B (allgather output, reduce-scatter input, allreduce buffer)."""
+    elem_bytes: int
+    count: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+
+def step_collectives(spec: CommSpec) -> list:
+    """Every collective of one optimizer step window (groups of size 1 included; they send nothing)."""
+    body = _zeropp_collectives(spec) if spec.is_zeropp else _ladder_collectives(spec)
+    return body + _control_collectives(spec)
+
+
+def _ladder_collectives(spec: CommSpec) -> list:
+    w, g, os_ = spec.resolved_factors()
+    c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
+    boundary = FP32_BYTES if spec.fp32_allreduce else c
+    out = []
+    for u, s in enumerate(padded_unit_numels(spec)):
+        backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
+        if e:
+            out.append(Collective("eval_gather", ALLGATHER, "weight", s, c, e))
+        out += [Collective("fwd_gather", ALLGATHER, "weight", s, c, a),
+                Collective(backward_gather, ALLGATHER, "weight", s, c, a),
+                Collective("grad_reduce", REDUCE_SCATTER, "weight", s, c, a),
+                Collective("grad_reduce", REDUCE_SCATTER, "stride", s // w, c, a),
+                Collective("cross_grad_reduce", REDUCE_SCATTER, "cross", s // g, boundary),
+                Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary),
+                Collective("refresh", ALLGATHER, "cross", s // g, c),
+                Collective("refresh", ALLGATHER, "stride", s // w, c)]
+    return out
+
+
+def _zeropp_collectives(spec: CommSpec) -> list:
+    """hpZ: the first gather of a unit after the update spans the world, later ones the node.
+
+    The trainer evaluates after the ledger sync of a step, so a window holding evaluation passes
+    runs them before its training micro-batches: the world gather then falls in ``eval_gather``.
+    """
+    c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
+    out = []
+    for u, s in enumerate(padded_unit_numels(spec)):
+        backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
+        first = "eval_gather" if e else "fwd_gather"
+        later = {"eval_gather": e, "fwd_gather": a, backward_gather: a}
+        later[first] -= 1
+        out.append(Collective(first, ALLGATHER, "world", s, c))
+        out += [Collective(phase, ALLGATHER, "node", s, c, n) for phase, n in later.items() if n]
+        out.append(Collective("grad_reduce", REDUCE_SCATTER, "world", s, c, a))
+    return out
+
+
+def _control_collectives(spec: CommSpec) -> list:
+    n = spec.world_size
+    out = [Collective("control", ALLREDUCE, "world", n, FP32_BYTES),  # squared grad-norm partials
+           Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),
+           Collective("control", ALLREDUCE, "world", _round_up(spec.ledger_vector_len, n), FP64_BYTES)]
+    if spec.eval_forward_passes:  # the evaluation's own loss allreduce
+        out.append(Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES))
+    return out
+
+
+# -- charging bytes (engine.md, "Bytes charged") -------------------------------------------------
+
+def _sent_bytes(op: str, k: int, nbytes: int) -> int:
+    """Bytes one member sends in a ring collective over k ranks on a B-byte buffer.
+
+    B is a multiple of k under engine.md's padding except, possibly, the replica allreduce and
+    DDP's allreduce (padding q = os); there the floor of the exact share is charged.
+    """
+    if op in (ALLGATHER, REDUCE_SCATTER):
+        return (k - 1) * nbytes // k
+    if op == ALLREDUCE:
+        return 2 * (k - 1) * nbytes // k
+    if op == ALL_TO_ALL:
+        return nbytes // k  # to each other member
+    raise CommModelError(f"unknown collective op {op!r}")
+
+
+def _sends_by_kind(spec: CommSpec, kinds: set) -> dict:
+    """{kind: (k, [(sender, receiver, tier), ...])} for the kinds whose groups have k > 1."""
+    out = {}
+    for kind in kinds:
+        groups = groups_of_kind(kind, spec)
+        k = len(groups[0])
+        if k > 1:
+            out[kind] = (k, [hop for grp in groups for hop in ring_hops(grp, spec.layout)])
+    return out
+
+
+def predict_ledger_per_rank(spec: CommSpec) -> dict:
+    """{rank: {(phase, tier): bytes that rank sends per optimizer step}} (non-zero entries only)."""
+    collectives = step_collectives(spec)
+    sends = _sends_by_kind(spec, {col.group for col in collectives})
+    per_rank = {r: {} for r in range(spec.world_size)}
+    for col in collectives:
+        if col.group not in sends:
+            continue
+        k, hops = sends[col.group]
+        if col.op == ALL_TO_ALL:
+            members = groups_of_kind(col.group, spec)
+            hops = [(src, dst, tier_between(src, dst, spec.layout))
+                    for grp in members for src in grp for dst in grp if dst != src]
+        nbytes = _sent_bytes(col.op, k, col.nbytes) * col.count
+        for src, _dst, tier in hops:
+            entry = per_rank[src]
+            entry[(col.phase, tier)] = entry.get((col.phase, tier), 0) + nbytes
+    return per_rank
+
+
+def predict_ledger(spec: CommSpec) -> Ledger:
+    """{(phase, tier): bytes sent per optimizer step, summed over all ranks} (non-zero entries)."""
+    total: Ledger = {}
+    for entries in predict_ledger_per_rank(spec).values():
+        for key, nbytes in entries.items():
+            total[key] = total.get(key, 0) + nbytes
+    return dict(sorted(total.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1])))
+
+
+def bytes_by_tier(ledger: Ledger) -> dict:
+    """{tier: bytes} summed over phases."""
+    out: dict = {}
+    for (_phase, tier), nbytes in ledger.items():
+        out[tier] = out.get(tier, 0) + nbytes
+    return out
+
+
+# -- simulated step time (for the planner) -------------------------------------------------------
+
+@dataclass(frozen=True)
+class TierLink:
+    """Links of one tier, seen from one *domain* of that tier: a node (inter_node), a GPU package
+    (intra_node on a 3-tier layout; a rank on a 2-tier one) or a rank (intra_gpu)."""
+    bandwidth: float
+    """Bytes per second that can enter one domain through this tier's links."""
+    latency_s: float
+    """Seconds per ring step over this tier."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    links: Mapping
+    """{tier: TierLink} for every tier of the layouts it is used with."""
+    peak_flops: float
+    """Dense peak FLOP/s of one rank in the compute dtype."""
+    mfu: float
+    """Model FLOPs utilisation assumed for the compute time (recomputation included in it)."""
+
+
+# Frontier (OLCF): GCD pair 200 GB/s; a package's in-node links 50-100 GB/s per GCD (we take the
+# 50 GB/s a ring can count on, 100 GB/s per two-GCD package); 4 Slingshot NICs x 25 GB/s per node;
+# 191.5 TFLOP/s bf16 per GCD. Latencies are rough per-step figures.
+FRONTIER = Hardware(
+    links={"intra_gpu": TierLink(200e9, 2e-6), "intra_node": TierLink(100e9, 5e-6),
+           "inter_node": TierLink(4 * 25e9, 10e-6)},
+    peak_flops=191.5e12, mfu=0.4)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: dict
+    """{phase: seconds}, collectives run one after another."""
+
+    @property
+    def comm_total_s(self) -> float:
+        return sum(self.comm_s.values())
+
+    @property
+    def no_overlap_s(self) -> float:
+        """Upper bound: nothing overlaps."""
+        return self.compute_s + self.comm_total_s
+
+    @property
+    def full_overlap_s(self) -> float:
+        """Lower bound: communication hides entirely behind compute, or the reverse."""
+        return max(self.compute_s, self.comm_total_s)
+
+
+def domain_load_fractions(kind: str, spec: CommSpec) -> dict:
+    """{tier: largest fraction of B entering one domain of that tier}, all groups of a kind at once.
+
+    Per link load, not ring order: a topology-aware algorithm brings each outside chunk into a
+    domain once, so the bytes entering a domain through tier t are B x (members of the group in the
+    parent domain - members in this domain) / k, summed over the kind's concurrent groups.
+    """
+    depth = len(spec.layout)
+    loads = [dict() for _ in range(depth)]
+    for grp in groups_of_kind(kind, spec):
+        k = len(grp)
+        if k == 1:
+            continue
+        coords = [rank_coords(r, spec.layout) for r in grp]
+        for t in range(depth):
+            in_domain, in_parent = {}, {}
+            for cd in coords:
+                in_domain[cd[:t + 1]] = in_domain.get(cd[:t + 1], 0) + 1
+                in_parent[cd[:t]] = in_parent.get(cd[:t], 0) + 1
+            for dom, m in in_domain.items():
+                loads[t][dom] = loads[t].get(dom, 0.0) + (in_parent[dom[:t]] - m) / k
+    return {tier: max(loads[t].values(), default=0.0) for t, tier in enumerate(spec.tiers)}
+
+
+def collective_time_s(col: Collective, fractions: dict, k: int, hw: Hardware) -> float:
+    """Bandwidth term of the most loaded tier plus ring steps at the slowest spanned tier's latency."""
+    used = [t for t, f in fractions.items() if f > 0]
+    if k == 1 or not used:
+        return 0.0
+    factor = 2 if col.op == ALLREDUCE else 1
+    bandwidth_s = max(factor * col.nbytes * fractions[t] / hw.links[t].bandwidth for t in used)
+    latency_s = factor * (k - 1) * max(hw.links[t].latency_s for t in used)
+    return col.count * (bandwidth_s + latency_s)
+
+
+def simulate_step_time(spec: CommSpec, hw: Hardware, tokens_per_micro_batch: int) -> StepTime:
+    """Compute (6 x params x tokens, plus 2 x params x tokens per eval pass) and communication time.
+
+    ``tokens_per_micro_batch`` is per rank (micro batch size x sequence length).
+    """
+    missing = set(spec.tiers) - set(hw.links)
+    if missing:
+        raise CommModelError(f"hardware has no link figures for tiers {sorted(missing)}")
+    params = sum(spec.unit_numels)
+    flops = params * tokens_per_micro_batch * (6 * spec.micro_batches + 2 * spec.eval_forward_passes)
+    compute_s = flops / (hw.peak_flops * hw.mfu)
+    collectives = step_collectives(spec)
+    kinds = {kind: (len(groups_of_kind(kind, spec)[0]), domain_load_fractions(kind, spec))
+             for kind in {col.group for col in collectives}}
+    comm_s = {phase: 0.0 for phase in PHASES}
+    for col in collectives:
+        k, fractions = kinds[col.group]
+        comm_s[col.phase] += collective_time_s(col, fractions, k, hw)
+    return StepTime(compute_s=compute_s, comm_s={p: s for p, s in comm_s.items() if s > 0})

@@ -1,0 +1,54 @@
+"""Model states held per rank (docs/engine.md, "Model states held per rank"), and NeoX unit sizes.
+
+Like ``comm_model`` this is an independent statement of the engine's contract: it imports nothing
+from the engine or the model, and the tests check it against both.
+"""
+from __future__ import annotations
+
+from megatron.zero_topo.comm_model import FP32_BYTES, CommModelError, CommSpec, padded_unit_numels
+
+CATEGORIES = ("weights", "zeropp_secondary", "grad_accumulator", "master", "moments")
+
+
+def predict_model_state_bytes(spec: CommSpec) -> dict:
+    """{rank: {category: bytes}} for every rank, plus 'per_rank': the largest value over ranks.
+
+    Categories: weights (S/w x c), zeropp_secondary (S/R x c, zeropp only), grad_accumulator
+    (S/g x 4), master (S/os x 4), moments (2 x S/os x 4), and their 'total'. Every rank holds equal
+    shards (S is padded to a multiple of the sharding), so all ranks report the same bytes; the
+    per-rank form is kept so a measured table can be compared rank by rank.
+    """
+    w, g, os_ = spec.resolved_factors()
+    c = spec.compute_bytes
+    sizes = padded_unit_numels(spec)
+    held = {
+        "weights": sum(s // w for s in sizes) * c,
+        "zeropp_secondary": sum(s // spec.ranks_per_node for s in sizes) * c if spec.is_zeropp else 0,
+        "grad_accumulator": sum(s // g for s in sizes) * FP32_BYTES,
+        "master": sum(s // os_ for s in sizes) * FP32_BYTES,
+        "moments": 2 * sum(s // os_ for s in sizes) * FP32_BYTES,
+    }
+    held["total"] = sum(held.values())
+    out: dict = {rank: dict(held) for rank in range(spec.world_size)}
+    out["per_rank"] = {cat: max(out[r][cat] for r in range(spec.world_size)) for cat in held}
+    return out
+
+
+def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
+                    intermediate_size: int | None = None, untied: bool = True) -> list:
+    """Parameter counts of a GPT-NeoX model's units in forward order: embedding, blocks, final.
+
+    Counted from the architecture: embedding V x h; each block two LayerNorms (4h), fused QKV
+    (3h^2 + 3h), attention dense (h^2 + h), MLP in (h x I + I) and out (I x h + h) with I = 4h by
+    default; final LayerNorm (2h) plus the output layer (V x h) when untied. ``vocab_size`` is the
+    padded vocabulary; heads do not change the count but must divide the width.
+    """
+    if min(num_layers, hidden_size, num_attention_heads, vocab_size) < 1:
+        raise CommModelError("num_layers, hidden_size, num_attention_heads and vocab_size must be positive")
+    if hidden_size % num_attention_heads:
+        raise CommModelError(f"num_attention_heads={num_attention_heads} must divide hidden_size={hidden_size}")
+    h, v = hidden_size, vocab_size
+    inner = intermediate_size if intermediate_size is not None else 4 * h
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+    final = 2 * h + (v * h if untied else 0)
+    return [v * h] + [block] * num_layers + [final]

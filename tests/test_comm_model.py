@@ -1,0 +1,178 @@
+"""The communication model against hand-computed ledgers (docs/engine.md applied by hand).
+
+Common setting: units of 100, 240, 240, 96 elements on 2 nodes x 2 GPUs x 2 GCDs (N = 8, R = 4),
+A = 2 micro-batches. Ranks r -> (node r//4, gpu (r//2)%2, gcd r%2). The world ring 0->1->...->7->0
+has 4 intra_gpu hops (0-1, 2-3, 4-5, 6-7), 2 intra_node (1-2, 5-6) and 2 inter_node (3-4, 7-0).
+Every number below is written out by hand; none is computed by the model.
+"""
+import pytest
+
+from megatron.zero_topo.comm_model import (
+    CommModelError, CommSpec, PhaseQuant, predict_ledger, predict_ledger_per_rank, transformer_block_units)
+
+UNITS = (100, 240, 240, 96)
+LAYOUT = (2, 2, 2)
+BLOCKS = frozenset({1, 2})
+
+# Control collectives, every preset, N = 8 (allreduce: each rank sends 2 x 7/8 x B):
+#   grad norm: 8 fp32 = 32 B -> 56 per rank; loss: 2 -> 8 float64 = 64 B -> 112;
+#   ledger: 27 -> 32 float64 = 256 B -> 448.  Per rank 56 + 112 + 448 = 616 on the world ring:
+#   intra_gpu 4 x 616 = 2464, intra_node 2 x 616 = 1232, inter_node 2 x 616 = 1232.
+CONTROL = {("control", "intra_gpu"): 2464, ("control", "intra_node"): 1232, ("control", "inter_node"): 1232}
+
+# Padded sizes: q = 8 (os = N, or zeropp) gives S = 104, 240, 240, 96 (sum 680);
+# q = 1 (stage 0) or q = 4 (hsdp) leaves S = 100, 240, 240, 96 (sum 676).
+# A world allgather/reduce-scatter of the full fp32 unit with q = 8: 7/8 x 4S per rank
+#   = 364 + 840 + 840 + 336 = 2380 per rank; world ring -> gpu 4 x, node 2 x, inter 2 x.
+
+EXPECTED = {
+    # stage 0 (1,1,1): only the replica allreduce over the world of the fp32 S, per unit
+    #   2 x 7/8 x (400, 960, 960, 384) = 700 + 1680 + 1680 + 672 = 4732 per rank.
+    "stage0": {("replica_allreduce", "intra_gpu"): 4 * 4732, ("replica_allreduce", "intra_node"): 2 * 4732,
+               ("replica_allreduce", "inter_node"): 2 * 4732},
+    # stage 1 (1,1,8): cross reduce-scatter over the world (2380 per rank) and the refresh allgather
+    #   over the world (2380 per rank), once per step.
+    "stage1": {("cross_grad_reduce", "intra_gpu"): 9520, ("cross_grad_reduce", "intra_node"): 4760,
+               ("cross_grad_reduce", "inter_node"): 4760,
+               ("refresh", "intra_gpu"): 9520, ("refresh", "intra_node"): 4760, ("refresh", "inter_node"): 4760},
+    # stage 2 (1,8,8): stride reduce-scatter over the world per micro-batch: 2 x 2380 = 4760 per rank;
+    #   refresh: stride allgather over the world, 2380 per rank.
+    "stage2": {("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520,
+               ("grad_reduce", "inter_node"): 9520,
+               ("refresh", "intra_gpu"): 9520, ("refresh", "intra_node"): 4760, ("refresh", "inter_node"): 4760},
+    # stage 3 (8,8,8): forward gather, backward gather and weight reduce-scatter over the world, each
+    #   2 x 2380 = 4760 per rank; no refresh (the optimizer slice is the weight shard).
+    "stage3": {(phase, tier): nbytes for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
+               for tier, nbytes in (("intra_gpu", 19040), ("intra_node", 9520), ("inter_node", 9520))},
+    # hsdp (4,4,4): weight groups {0..3} {4..7}, ring 0-1 gpu, 1-2 node, 2-3 gpu, 3-0 node (4 + 4 hops).
+    #   Gather/reduce-scatter of 4S: 3/4 x (400, 960, 960, 384) = 300 + 720 + 720 + 288 = 2028 per rank
+    #   per micro-batch, x 2 = 4056 -> 4 x 4056 = 16224 per tier. Replica groups {r, r+4}: allreduce of
+    #   S/4 fp32 = S bytes, 2 x 1/2 x S = 676 per rank, both hops inter_node: 8 x 676 = 5408.
+    "hsdp": {**{(phase, tier): 16224 for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
+                for tier in ("intra_gpu", "intra_node")},
+             ("replica_allreduce", "inter_node"): 5408},
+    # zero_topo (2,4,8): weight pairs (intra_gpu): gather of 4S, 1/2 -> 2S = 1360 per micro-batch,
+    #   x 2 = 2720 per rank, x 8 ranks = 21760 for fwd, bwd and the weight reduce-scatter.
+    #   Stride pairs {0,2} {1,3} {4,6} {5,7} (intra_node): reduce-scatter of S/2 fp32 = 2S bytes -> S =
+    #   680 per micro-batch, x 2 x 8 = 10880. Cross pairs {r, r+4} (inter_node): reduce-scatter of S/4
+    #   fp32 = S bytes -> S/2 = 340 per rank, x 8 = 2720. Refresh: cross allgather to S/4 (S bytes)
+    #   -> 340 x 8 = 2720 inter_node; stride allgather to S/2 (2S bytes) -> 680 x 8 = 5440 intra_node.
+    "zero_topo": {("fwd_gather", "intra_gpu"): 21760, ("bwd_gather", "intra_gpu"): 21760,
+                  ("grad_reduce", "intra_gpu"): 21760, ("grad_reduce", "intra_node"): 10880,
+                  ("cross_grad_reduce", "inter_node"): 2720,
+                  ("refresh", "inter_node"): 2720, ("refresh", "intra_node"): 5440},
+    # zeropp (q = 8, R = 4): each unit's first forward gather is over the world (2380 per rank);
+    #   the second micro-batch's forward and both backward gathers use the node groups {0..3} {4..7}
+    #   (ring: 2 gpu + 2 node hops each): 3/4 x 4S = 3S = 2040 per rank per gather.
+    #   fwd: gpu 9520 + 4 x 2040 = 17680, node 4760 + 4 x 2040 = 12920, inter 4760;
+    #   bwd: 2 gathers -> 4080 per rank -> gpu 16320, node 16320;
+    #   grad_reduce: world reduce-scatter per micro-batch -> 4760 per rank -> 19040 / 9520 / 9520.
+    "zeropp": {("fwd_gather", "intra_gpu"): 17680, ("fwd_gather", "intra_node"): 12920,
+               ("fwd_gather", "inter_node"): 4760,
+               ("bwd_gather", "intra_gpu"): 16320, ("bwd_gather", "intra_node"): 16320,
+               ("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520,
+               ("grad_reduce", "inter_node"): 9520},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_hand_computed_ledger(preset):
+    spec = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=2, compute_bytes=4)
+    assert predict_ledger(spec) == {**EXPECTED[preset], **CONTROL}
+
+
+def test_zero_topo_bf16_checkpointing_eval_fp32_allreduce():
+    # c = 2, blocks (units 1, 2) checkpointed, 1 eval pass, step-boundary hops in fp32. S = 104, 240, 240, 96.
+    spec = CommSpec(UNITS, LAYOUT, preset="zero_topo", micro_batches=2, compute_bytes=2,
+                    fp32_allreduce=True, checkpointed_units=BLOCKS, eval_forward_passes=1)
+    expected = {
+        # weight-pair gather of 2S bytes: S per rank per pass. eval: 680 x 8 ranks.
+        ("eval_gather", "intra_gpu"): 5440,
+        ("fwd_gather", "intra_gpu"): 2 * 680 * 8,             # 10880
+        ("bwd_gather", "intra_gpu"): 2 * (104 + 96) * 8,      # units 0, 3: 3200
+        ("recompute_gather", "intra_gpu"): 2 * (240 + 240) * 8,  # units 1, 2: 7680
+        # weight reduce-scatter as the gathers (10880); stride reduce-scatter of S/2 bf16 = S bytes
+        #   -> S/2 = 340 per micro-batch, x 2 x 8 = 5440.
+        ("grad_reduce", "intra_gpu"): 10880, ("grad_reduce", "intra_node"): 5440,
+        # cross reduce-scatter of S/4 in fp32 = S bytes -> 340 per rank -> 2720.
+        ("cross_grad_reduce", "inter_node"): 2720,
+        # refresh in bf16: cross gather to S/4 (S/2 bytes) -> 170 x 8 = 1360;
+        #   stride gather to S/2 (S bytes) -> 340 x 8 = 2720.
+        ("refresh", "inter_node"): 1360, ("refresh", "intra_node"): 2720,
+        # control plus the eval-loss allreduce (112 per rank): 728 per rank on the world ring.
+        ("control", "intra_gpu"): 4 * 728, ("control", "intra_node"): 2 * 728, ("control", "inter_node"): 2 * 728,
+    }
+    assert predict_ledger(spec) == expected
+
+
+def test_zeropp_eval_takes_the_world_gather():
+    # With an eval pass in the window, the first gather after the update is the eval's (world);
+    # every training gather is then node-local. Blocks checkpointed; fp32; A = 2.
+    spec = CommSpec(UNITS, LAYOUT, preset="zeropp", micro_batches=2, checkpointed_units=BLOCKS,
+                    eval_forward_passes=1)
+    expected = {
+        ("eval_gather", "intra_gpu"): 9520, ("eval_gather", "intra_node"): 4760, ("eval_gather", "inter_node"): 4760,
+        # two node gathers per unit, 3S = 2040 per rank each -> 4080 x 4 per tier
+        ("fwd_gather", "intra_gpu"): 16320, ("fwd_gather", "intra_node"): 16320,
+        # units 0, 3: 3 x (104 + 96) = 600 per gather, x 2 = 1200 per rank
+        ("bwd_gather", "intra_gpu"): 4800, ("bwd_gather", "intra_node"): 4800,
+        # units 1, 2: 3 x 480 = 1440 per gather, x 2 = 2880 per rank
+        ("recompute_gather", "intra_gpu"): 11520, ("recompute_gather", "intra_node"): 11520,
+        ("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520, ("grad_reduce", "inter_node"): 9520,
+        ("control", "intra_gpu"): 2912, ("control", "intra_node"): 1456, ("control", "inter_node"): 1456,
+    }
+    assert predict_ledger(spec) == expected
+
+
+def test_hsdp_per_rank_follows_ring_order():
+    # Weight group {0,1,2,3}: rank 0 sends to 1 (intra_gpu), rank 1 to 2 (intra_node), rank 3 to 0
+    # (intra_node); 4056 per rank per gather phase (see EXPECTED["hsdp"]). Replica: 676 inter_node.
+    per_rank = predict_ledger_per_rank(CommSpec(UNITS, LAYOUT, preset="hsdp", micro_batches=2))
+    assert per_rank[0][("fwd_gather", "intra_gpu")] == 4056
+    assert ("fwd_gather", "intra_node") not in per_rank[0]
+    assert per_rank[1][("fwd_gather", "intra_node")] == 4056
+    assert per_rank[3][("grad_reduce", "intra_node")] == 4056
+    assert per_rank[5][("replica_allreduce", "inter_node")] == 676
+    # control on the world ring: rank 3 -> 4 and rank 7 -> 0 cross nodes, 616 each
+    assert per_rank[3][("control", "inter_node")] == 616
+    assert ("control", "inter_node") not in per_rank[2]
+
+
+def test_two_tier_zero_topo():
+    # Layout 2 nodes x 2 ranks: zero_topo = (2, 2, 4), q = 4, S = 100, 240, 240, 96 (676), fp32, A = 1.
+    # Weight pairs {0,1} {2,3} are intra_node: gather of 4S, 1/2 -> 2S = 1352 per rank, x 4 ranks = 5408
+    # per phase; stride groups have one member. Cross pairs {0,2} {1,3}: reduce-scatter of S/2 fp32 =
+    # 2S bytes -> S = 676 per rank -> 2704 inter_node; refresh the same. Control, N = 4: grad norm 16 B
+    # -> 2 x 3/4 x 16 = 24; loss 4 float64 = 32 B -> 48; ledger 28 float64 = 224 B -> 336; 408 per
+    # rank; world ring 0-1 node, 1-2 inter, 2-3 node, 3-0 inter -> 816 each.
+    spec = CommSpec(UNITS, (2, 2), preset="zero_topo")
+    assert predict_ledger(spec) == {
+        ("fwd_gather", "intra_node"): 5408, ("bwd_gather", "intra_node"): 5408, ("grad_reduce", "intra_node"): 5408,
+        ("cross_grad_reduce", "inter_node"): 2704, ("refresh", "inter_node"): 2704,
+        ("control", "intra_node"): 816, ("control", "inter_node"): 816}
+
+
+@pytest.mark.parametrize("preset", ["stage0", "stage2", "hsdp", "zero_topo", "zeropp"])
+def test_per_rank_sums_to_total(preset):
+    spec = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=3, compute_bytes=2,
+                    checkpointed_units=transformer_block_units(len(UNITS)), eval_forward_passes=2)
+    total: dict = {}
+    for entries in predict_ledger_per_rank(spec).values():
+        for key, nbytes in entries.items():
+            total[key] = total.get(key, 0) + nbytes
+    assert total == predict_ledger(spec)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(layout=(8,), preset="stage3"), "layout"),
+    (dict(layout=(2, 2, 2), preset="stage4"), "unknown preset"),
+    (dict(layout=(2, 2, 2), factors=(2, 3, 6)), "w | g | os"),
+    (dict(layout=(2, 2, 2), factors=(2, 4, 16)), "w | g | os"),
+    (dict(layout=(2, 2, 2), preset="hsdp", factors=(1, 1, 1)), "exactly one"),
+    (dict(layout=(2, 2, 2), preset="hsdp", compute_bytes=3), "compute_bytes"),
+    (dict(layout=(2, 2, 2), preset="hsdp", checkpointed_units={7}), "checkpointed_units"),
+    (dict(layout=(2, 2, 2), preset="hsdp", quant={"refresh": PhaseQuant(8, 256)}), "not modelled"),
+])
+def test_bad_specs_are_refused(kwargs, message):
+    with pytest.raises(CommModelError, match=message):
+        CommSpec(UNITS, **kwargs)
