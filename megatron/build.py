@@ -9,14 +9,13 @@ import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from megatron.checkpointing.checkpointer import CheckpointError
 from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
-from megatron.data.demo_corpus import ensure_demo_data, unigram_entropy
+from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
 from megatron.engine import LocalEngine, lm_loss
 from megatron.logging.metrics import log_print
 from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
@@ -78,7 +77,7 @@ def build_training(cfg) -> Run:
     runtime = init_runtime(cfg)
     if cfg.data.build_demo_corpus:
         if runtime.is_main:
-            ensure_demo_data(Path(cfg.tokenizer.vocab_file).parent)
+            ensure_demo_data_from_config(cfg)
         runtime.barrier()
     tokenizer = build_tokenizer(cfg.tokenizer)
     cfg = _derive_vocab(cfg, tokenizer.vocab_size)

@@ -81,6 +81,8 @@ class Trainer:
         self.checkpointer = (Checkpointer(ck.save, rank=runtime.rank, world_size=runtime.world_size,
                                           barrier=runtime.barrier, keep_last_n=ck.keep_last_n_checkpoints)
                              if ck.save else None)
+        if self.checkpointer is not None and runtime.is_main:
+            self.checkpointer.ensure_writable()
         self.stop = StopRequest()
         self.last_valid_loss: float | None = None
         self.last_train_loss: float | None = None

@@ -77,6 +77,17 @@ class Checkpointer:
         self.barrier = barrier
         self.keep_last_n = keep_last_n
 
+    def ensure_writable(self) -> None:
+        """Fail before training, not after hours of it, when the folder cannot be written."""
+        try:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.save_dir / f".write_probe.{self.rank}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise CheckpointError(f"cannot write checkpoints to {self.save_dir}: {err.strerror}; "
+                                  "set `save` to a writable folder") from err
+
     def save(self, iteration: int, rank_state: dict, meta: dict) -> Path:
         """Write this rank's state; all ranks call this together. Saving a committed step is a no-op."""
         final = self.save_dir / f"global_step{iteration}"
@@ -84,14 +95,7 @@ class Checkpointer:
             return final
         partial = self.save_dir / f".global_step{iteration}.partial"
         if self.rank == 0:
-            try:
-                self.save_dir.mkdir(parents=True, exist_ok=True)
-                probe = self.save_dir / ".write_probe"
-                probe.write_text("ok")
-                probe.unlink()
-            except OSError as err:
-                raise CheckpointError(f"cannot write checkpoints to {self.save_dir}: {err.strerror}; "
-                                      "set `save` to a writable folder") from err
+            self.ensure_writable()
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir()
