@@ -1,0 +1,152 @@
+"""Benchmark the block-quantization kernels against torch.clone measured in the same run.
+
+    .venv/bin/python bench/quant_kernels.py                      # 16M, 64M, 256M elements
+    .venv/bin/python bench/quant_kernels.py --sizes 4M,16M --blocks 256,1024,2048,4096,8192
+
+For each size: torch.clone of the fp32 input (the memory-bandwidth baseline), then for each
+implementation, bit width and block size the time of quantize, dequantize (to fp32) and the fused
+reduce_requantize over k chunks. GB/s counts bytes read plus bytes written (clone: 2 x 4n);
+`x clone` is clone's time over the kernel's time (1.0 = as fast as a copy); `x ref` is the
+reference's time over the kernel's time. `--accuracy` adds the relative RMS error per block size
+(and the bytes the scales add per element), the other half of choosing a default block size.
+Implementations: reference and cpp on CPU; triton on a CUDA/ROCm device (`--device cuda`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.ops.quant import get_quantizer  # noqa: E402
+
+
+def parse_count(text: str) -> int:
+    """'16M' -> 16 * 2**20, '512K' -> 512 * 2**10, '1000' -> 1000."""
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def timed(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    """Best wall time of fn() over `repeat` runs after one warm-up run."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)  # best of: the least disturbed run on a shared machine
+
+
+def code_bytes(n: int, bits: int, block: int) -> int:
+    return (n if bits == 8 else n // 2) + 4 * (n // block)
+
+
+def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen).to(device)
+    t_clone = timed(lambda: x.clone(), args.repeat, device)
+    print(f"\n== n = {n:,} elements ({4 * n / 2 ** 20:.0f} MiB fp32), torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"{'impl':<10}{'bits':>5}{'block':>7}  {'op':<18}{'ms':>9}{'GB/s':>8}{'x clone':>9}"
+          f"{'x ref':>8}")
+    print(f"{'torch':<10}{'':>5}{'':>7}  {'clone':<18}{t_clone * 1e3:9.2f}"
+          f"{8 * n / t_clone / 1e9:8.2f}{1.0:9.2f}{'':>8}")
+    reference_times: dict[tuple, float] = {}
+    for impl in args.impls:
+        quantizer = get_quantizer(impl, device)
+        if quantizer.name != impl:
+            print(f"{impl:<10} unavailable here, skipped")
+            continue
+        for bits in args.bits:
+            for block in args.blocks:
+                if n % (block * args.k):
+                    print(f"{impl:<10}{bits:>5}{block:>7}  n not a multiple of block * k, skipped")
+                    continue
+                codes, scales = quantizer.quantize(x, bits, block)
+                stored = code_bytes(n, bits, block)
+                chunk = n // args.k
+                ops = {
+                    "quantize": (lambda: quantizer.quantize(x, bits, block), 4 * n + stored),
+                    "dequantize": (lambda: quantizer.dequantize(codes, scales, bits, block),
+                                   stored + 4 * n),
+                    f"reduce_requant k={args.k}": (
+                        lambda: quantizer.reduce_requantize(codes, scales, args.k, bits, block),
+                        stored + code_bytes(chunk, bits, block)),
+                }
+                for op, (fn, moved) in ops.items():
+                    t = timed(fn, args.repeat, device)
+                    key = (bits, block, op)
+                    if impl == "reference":
+                        reference_times[key] = t
+                    ref = reference_times.get(key)
+                    ratio = f"{ref / t:8.2f}" if ref else f"{'':>8}"
+                    print(f"{impl:<10}{bits:>5}{block:>7}  {op:<18}{t * 1e3:9.2f}"
+                          f"{moved / t / 1e9:8.2f}{t_clone / t:9.2f}{ratio}")
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    """Relative RMS error of quantize -> dequantize per block size, on two distributions."""
+    n = 1 << 22
+    gen = torch.Generator().manual_seed(1)
+    samples = {
+        "normal": torch.randn(n, generator=gen),
+        # heavy tails, like gradients: a few large entries set each block's scale
+        "student-t(3)": torch.distributions.StudentT(3.0).sample((n,)),
+    }
+    quantizer = get_quantizer("reference")
+    print(f"\n== accuracy: relative RMS error of dequantize(quantize(x)), n = {n:,}")
+    print(f"{'block':>7}{'scale B/elt':>13}" + "".join(
+        f"{f'INT{b} {name}':>22}" for b in args.bits for name in samples))
+    for block in args.blocks:
+        row = f"{block:>7}{4 / block:13.4f}"
+        for bits in args.bits:
+            for x in samples.values():
+                y = quantizer.dequantize(*quantizer.quantize(x, bits, block), bits, block)
+                row += f"{float((y - x).norm() / x.norm()):22.4f}"
+        print(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="16M,64M,256M", help="element counts, e.g. 1M,16M")
+    parser.add_argument("--blocks", default="2048", help="block sizes, e.g. 256,1024,4096")
+    parser.add_argument("--bits", default="8,4", help="8, 4 or both")
+    parser.add_argument("--impls", default=None,
+                        help="reference,cpp (CPU default) or reference,triton (GPU default)")
+    parser.add_argument("--k", type=int, default=8, help="chunks summed by reduce_requantize")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per measurement")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--accuracy", action="store_true", help="also print errors per block")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    args.blocks = [parse_count(b) for b in args.blocks.split(",")]
+    args.bits = [int(b) for b in args.bits.split(",")]
+    default_impls = "reference,cpp" if device.type == "cpu" else "reference,triton"
+    args.impls = (args.impls or default_impls).split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for size in args.sizes.split(","):
+        bench_size(parse_count(size), args, device)
+    if args.accuracy:
+        accuracy(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Custom numerical kernels used by the engine (block quantization lives in `megatron.ops.quant`)."""

@@ -1,0 +1,212 @@
+"""The block-quantization format and the interface every implementation follows.
+
+Format (identical in every implementation, checked bit for bit against `reference.py`):
+- a flat buffer of n elements is cut into blocks of `block` consecutive elements; n must be a
+  multiple of `block` (callers pad with `padded_numel`, so no block straddles a shard);
+- each block has one fp32 scale `amax / qmax` (IEEE division), where amax is the largest |x| in the
+  block and qmax is 127 (INT8) or 7 (INT4); a scale of 0 (amax = 0, or an amax so small that the
+  division underflows) is replaced by 1;
+- code = clamp(round_half_even(x / scale), -qmax, qmax), x / scale again by IEEE division in fp32;
+- INT8 codes are int8, one per element; INT4 codes are 4-bit two's complement packed two per uint8
+  byte, the even-index element in the low nibble (so `block` must be even for INT4);
+- dequantized value = code * scale in fp32, then cast to the requested dtype;
+- a block whose amax is NaN or inf is refused with `QuantizationError`, never encoded.
+
+`Quantizer` validates arguments once, here, and leaves the arithmetic to its subclasses.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Elements per block unless configured otherwise; chosen by `bench/quant_kernels.py`, see
+# docs/quantization.md for the numbers.
+DEFAULT_BLOCK = 2048
+
+
+class QuantizationError(ValueError):
+    """A misuse of the quantization kernels (bad size, dtype, bits) or non-finite input: one line
+    saying what is wrong."""
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude for `bits`: 127 for INT8, 7 for INT4 (symmetric, -qmax..qmax)."""
+    if bits == 8:
+        return 127
+    if bits == 4:
+        return 7
+    raise QuantizationError(f"bits must be 8 or 4, got {bits!r}")
+
+
+def codes_dtype(bits: int) -> torch.dtype:
+    """int8 for INT8 codes; uint8 for packed INT4 bytes."""
+    qmax(bits)
+    return torch.int8 if bits == 8 else torch.uint8
+
+
+def codes_numel(numel: int, bits: int) -> int:
+    """Number of code entries (int8 elements or uint8 bytes) that encode `numel` values."""
+    qmax(bits)
+    return numel if bits == 8 else numel // 2
+
+
+def padded_numel(n: int, block: int, multiple: int = 1) -> int:
+    """Smallest m >= n that is a multiple of `block * multiple`.
+
+    Pass the number of shards as `multiple` (e.g. os, or the all-to-all group size) so that every
+    shard holds whole blocks. With an even `block` (required for INT4) m is even, so INT4 shards
+    also hold whole bytes.
+    """
+    if n < 0 or block < 1 or multiple < 1:
+        raise QuantizationError(
+            f"padded_numel needs n >= 0, block >= 1, multiple >= 1; got n={n}, block={block}, "
+            f"multiple={multiple}")
+    unit = block * multiple
+    return -(-n // unit) * unit
+
+
+def check_block(bits: int, block: int) -> None:
+    """Refuse a block size the format cannot use."""
+    qmax(bits)
+    if not isinstance(block, int) or block < 1:
+        raise QuantizationError(f"block must be a positive int, got {block!r}")
+    if bits == 4 and block % 2:
+        raise QuantizationError(f"INT4 packs two codes per byte, so block must be even, got {block}")
+
+
+def _check_flat(t: Tensor, name: str) -> None:
+    if not isinstance(t, Tensor):
+        raise QuantizationError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise QuantizationError(
+            f"{name} must be a contiguous 1-D tensor (flatten it first), got shape {tuple(t.shape)}")
+
+
+def _check_numel(numel: int, block: int, what: str) -> None:
+    if numel % block:
+        raise QuantizationError(
+            f"{what}: {numel} elements is not a multiple of block={block}; pad the buffer to "
+            f"padded_numel(n, block, multiple) first")
+
+
+def _check_codes(codes: Tensor, scales: Tensor, bits: int, block: int, chunks: int) -> int:
+    """Validate encoded chunks; returns the number of values one chunk encodes."""
+    _check_flat(codes, "codes")
+    _check_flat(scales, "scales")
+    want = codes_dtype(bits)
+    if codes.dtype != want:
+        raise QuantizationError(f"INT{bits} codes must be {want}, got {codes.dtype}")
+    if scales.dtype != torch.float32:
+        raise QuantizationError(f"scales must be float32, got {scales.dtype}")
+    if codes.device != scales.device:
+        raise QuantizationError(f"codes on {codes.device} but scales on {scales.device}")
+    if chunks < 1 or codes.numel() % chunks or scales.numel() % chunks:
+        raise QuantizationError(
+            f"cannot split {codes.numel()} codes and {scales.numel()} scales into k={chunks} chunks")
+    per_chunk = codes.numel() // chunks * (1 if bits == 8 else 2)
+    if per_chunk % block or scales.numel() // chunks != per_chunk // block:
+        raise QuantizationError(
+            f"{codes.numel()} INT{bits} codes and {scales.numel()} scales do not form k={chunks} "
+            f"chunks of whole blocks of {block}")
+    return per_chunk
+
+
+def check_finite_scales(scales: Tensor, block: int, what: str) -> None:
+    """Raise if any block's scale is NaN or inf, which happens exactly when its amax is.
+
+    One reduction over n / block scales; on a GPU this is one host synchronisation per call.
+    """
+    finite = torch.isfinite(scales)
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0, 0])
+        raise QuantizationError(
+            f"{what}: NaN or inf in block {first} (elements {first * block}..{(first + 1) * block - 1});"
+            f" refusing to encode it")
+
+
+class Quantizer:
+    """Block quantization: quantize, dequantize and the fused k-chunk reduction.
+
+    Subclasses implement the underscore methods on already validated, contiguous 1-D arguments;
+    they must write a NaN/inf scale for a block whose amax is NaN/inf (the check is done here).
+    """
+
+    name = "abstract"
+
+    # -- public API ---------------------------------------------------------------------------
+    def quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+        """Encode x (fp32/bf16/fp16, n a multiple of block) -> (codes, fp32 scales of n / block)."""
+        check_block(bits, block)
+        _check_flat(x, "x")
+        if x.dtype not in INPUT_DTYPES:
+            raise QuantizationError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        _check_numel(x.numel(), block, "quantize")
+        codes, scales = self._quantize(x, bits, block)
+        check_finite_scales(scales, block, "quantize")
+        return codes, scales
+
+    def dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
+                   numel: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Decode to `dtype`; `numel` (default: all) keeps only the first numel values (unpadding)."""
+        check_block(bits, block)
+        total = _check_codes(codes, scales, bits, block, 1)
+        if dtype not in INPUT_DTYPES:
+            raise QuantizationError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        if numel is not None and not 0 <= numel <= total:
+            raise QuantizationError(f"numel={numel} but the codes hold {total} values")
+        out = self._dequantize(codes, scales, bits, block, dtype)
+        return out if numel is None or numel == total else out[:numel]
+
+    def reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                          block: int, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Fused: dequantize k concatenated chunks, sum them in fp32 (chunk 0 first), quantize.
+
+        This is the local step of an all-to-all reduction: codes_k/scales_k are what arrived from
+        the k peers, the result is one chunk (codes, scales) ready for the next hop.
+
+        With `residual` (fp32, one chunk long; error feedback for this hop) the sum plus the
+        residual is quantized and the residual is overwritten, in the same pass, with what that
+        quantization lost: exactly `ErrorFeedback.compensate` then `update` on the unfused sum.
+        """
+        check_block(bits, block)
+        per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
+        if residual is not None:
+            _check_flat(residual, "residual")
+            if (residual.dtype != torch.float32 or residual.numel() != per_chunk
+                    or residual.device != codes_k.device):
+                raise QuantizationError(
+                    f"residual must be float32 with {per_chunk} elements on {codes_k.device}; got "
+                    f"{residual.dtype} with {residual.numel()} on {residual.device}")
+        codes, scales = self._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
+        check_finite_scales(scales, block, "reduce_requantize")
+        return codes, scales
+
+    def dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                       block: int) -> Tensor:
+        """Fused: dequantize k concatenated chunks and sum them in fp32 (the last hop's step)."""
+        check_block(bits, block)
+        _check_codes(codes_k, scales_k, bits, block, k)
+        return self._dequantize_sum(codes_k, scales_k, k, bits, block)
+
+    # -- implementation hooks -----------------------------------------------------------------
+    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
+                    dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                        block: int) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

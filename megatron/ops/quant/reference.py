@@ -1,0 +1,77 @@
+"""The plain torch implementation: the oracle every other implementation must match bit for bit.
+
+Written for clarity, not speed: whole-tensor torch ops, one temporary per step. Runs on any device.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .base import Quantizer, qmax
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """int8 codes in [-7, 7] (even count) -> uint8 bytes, element 2i in the low nibble of byte i."""
+    nibbles = codes.view(-1, 2).to(torch.int16) & 0xF
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """uint8 bytes -> int8 codes (two per byte, low nibble first), sign-extended from 4 bits."""
+    wide = packed.to(torch.int16)
+    nibbles = torch.stack([wide & 0xF, wide >> 4], dim=1).view(-1)
+    return (nibbles - ((nibbles & 0x8) << 1)).to(torch.int8)
+
+
+def encode_blocks(blocks: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """fp32 blocks [nb, block] -> (flat codes, fp32 scales [nb]) by the format's rule."""
+    limit = qmax(bits)
+    amax = blocks.abs().amax(dim=1)                      # NaN if the block has a NaN
+    scales = amax / float(limit)                         # IEEE division (torch does not use 1/q)
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(blocks / scales[:, None])        # IEEE division, round half to even
+    codes = codes.clamp_(-limit, limit).to(torch.int8).view(-1)
+    return (codes if bits == 8 else pack_int4(codes)), scales
+
+
+def decode_blocks(codes: Tensor, scales: Tensor, bits: int, block: int) -> Tensor:
+    """(flat codes, scales) -> fp32 blocks [nb, block], value = code * scale."""
+    values = codes if bits == 8 else unpack_int4(codes)
+    return values.to(torch.float32).view(-1, block) * scales[:, None]
+
+
+class ReferenceQuantizer(Quantizer):
+    """Block quantization in plain torch (the oracle)."""
+
+    name = "reference"
+
+    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+        return encode_blocks(x.to(torch.float32).view(-1, block), bits)
+
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
+                    dtype: torch.dtype) -> Tensor:
+        return decode_blocks(codes, scales, bits, block).view(-1).to(dtype)
+
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                        block: int) -> Tensor:
+        chunk_codes = codes_k.numel() // k
+        chunk_blocks = scales_k.numel() // k
+        total = torch.zeros(chunk_blocks, block, dtype=torch.float32, device=codes_k.device)
+        for j in range(k):                               # fixed order: chunk 0 first
+            codes = codes_k[j * chunk_codes:(j + 1) * chunk_codes]
+            scales = scales_k[j * chunk_blocks:(j + 1) * chunk_blocks]
+            total = total + decode_blocks(codes, scales, bits, block)
+        return total.view(-1)
+
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        total = self._dequantize_sum(codes_k, scales_k, k, bits, block)
+        if residual is not None:
+            total = total + residual                     # error feedback: sum first, then residual
+        codes, scales = encode_blocks(total.view(-1, block), bits)
+        if residual is not None:
+            residual.copy_(total - decode_blocks(codes, scales, bits, block).view(-1))
+        return codes, scales
+

@@ -1,0 +1,191 @@
+"""Bit-for-bit comparison of an implementation against the torch reference, on hard cases.
+
+Used by the tests (the C++ kernels in-process, the Triton kernels under TRITON_INTERPRET=1 in a
+subprocess) and on real hardware:
+
+    python -m megatron.ops.quant check --impl triton --device cuda
+
+Every case is small (at most a few dozen blocks) so that the Triton interpreter stays fast. For
+each case and bit width it compares, byte for byte: quantize's codes and scales, dequantize to
+fp32/bf16/fp16, and the fused reduce_requantize and dequantize_sum over k chunks; and it checks
+that NaN, +inf and -inf are refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .base import INPUT_DTYPES, QuantizationError, Quantizer, padded_numel, qmax
+from .reference import ReferenceQuantizer
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input: `make(bits, generator)` returns a 1-D tensor whose size is a multiple of block."""
+    name: str
+    block: int
+    make: Callable[[int, torch.Generator], Tensor]
+    chunks: int = 3  # k for the fused reduction
+
+
+def _random(dtype: torch.dtype, n: int) -> Callable[[int, torch.Generator], Tensor]:
+    def make(bits: int, gen: torch.Generator) -> Tensor:
+        x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen).mul(8).exp2()
+        return x.to(dtype)
+    return make
+
+
+def _zeros(bits: int, gen: torch.Generator) -> Tensor:
+    return torch.zeros(padded_numel(200, 40))
+
+
+def _constant_blocks(bits: int, gen: torch.Generator) -> Tensor:
+    values = torch.tensor([3.0, -3.0, 1e-3, -7e5, 0.0, 1.0])
+    return values.repeat_interleave(32)
+
+
+def _ties(bits: int, gen: torch.Generator) -> Tensor:
+    """Values exactly half a step apart: scale 2^-2, values (m + 1/2) / 4 round to even m."""
+    limit = qmax(bits)
+    halves = torch.arange(-limit, limit, dtype=torch.float32) + 0.5
+    block = torch.cat([torch.tensor([limit * 0.25]), halves * 0.25])  # amax sets scale = 1/4
+    block = torch.cat([block, torch.zeros((-block.numel()) % 64)])
+    return block.repeat(2)
+
+
+def _bf16_ties(bits: int, gen: torch.Generator) -> Tensor:
+    """Scale 1 + 2^-8, so code * scale often lies exactly between two bf16 values."""
+    limit = qmax(bits)
+    codes = torch.arange(-limit, limit + 1, dtype=torch.float32)
+    block = codes * (1 + 2.0 ** -8)
+    return torch.cat([block, torch.zeros((-block.numel()) % 32)]).repeat(2)
+
+
+def _dynamic_range(bits: int, gen: torch.Generator) -> Tensor:
+    """Blocks from 1e-37 to 1e36, and blocks mixing one huge value with tiny ones."""
+    exponents = torch.linspace(-37, 36, 16)
+    blocks = torch.randn(16, 64, generator=gen) * (10.0 ** exponents)[:, None]
+    blocks[::3, 0] = 3e38
+    blocks[1::3, 5] = -1e-30
+    return blocks.view(-1)
+
+
+def _subnormal(bits: int, gen: torch.Generator) -> Tensor:
+    """Blocks whose amax is subnormal (amax / qmax underflows or loses precision)."""
+    tiny = torch.tensor([2.0 ** -149, 3 * 2.0 ** -149, 190 * 2.0 ** -149, 2.0 ** -130, 2.0 ** -126])
+    blocks = torch.rand(5, 16, generator=gen) * 2 - 1
+    return (blocks * tiny[:, None]).view(-1)
+
+
+def _odd_size(bits: int, gen: torch.Generator) -> Tensor:
+    """777 values padded to whole blocks of 96 for 3 shards (non-power-of-two block)."""
+    x = torch.zeros(padded_numel(777, 96, 3))
+    x[:777] = torch.randn(777, generator=gen)
+    return x
+
+
+CASES: tuple[Case, ...] = (
+    Case("random_fp32", 64, _random(torch.float32, 1024)),
+    Case("random_bf16", 64, _random(torch.bfloat16, 1024)),
+    Case("random_fp16", 64, _random(torch.float16, 1024)),
+    Case("odd_size_padded", 96, _odd_size),
+    Case("zeros", 40, _zeros),
+    Case("constant_blocks", 32, _constant_blocks),
+    Case("ties", 64, _ties),
+    Case("bf16_ties", 32, _bf16_ties),
+    Case("dynamic_range", 64, _dynamic_range),
+    Case("subnormal", 16, _subnormal),
+    Case("block_2", 2, _random(torch.float32, 64), chunks=4),
+    Case("block_4096", 4096, _random(torch.float32, 8192), chunks=2),
+)
+
+
+def _bitwise_mismatch(what: str, got: Tensor, want: Tensor) -> Optional[str]:
+    """None if got and want are identical in dtype, shape and bytes; else a one-line reason."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    got_bytes = got.detach().cpu().contiguous().view(torch.uint8)
+    want_bytes = want.detach().cpu().contiguous().view(torch.uint8)
+    if torch.equal(got_bytes, want_bytes):
+        return None
+    width = got.element_size()
+    first = int((got_bytes != want_bytes).nonzero()[0, 0]) // width
+    return (f"{what}: differs at element {first}: got {got.flatten()[first].item()!r}, "
+            f"want {want.flatten()[first].item()!r}")
+
+
+def _refuses_non_finite(quantizer: Quantizer, x: Tensor, bits: int, block: int) -> Optional[str]:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[min(block + 1, y.numel() - 1)] = bad
+        try:
+            quantizer.quantize(y, bits, block)
+        except QuantizationError:
+            continue
+        return f"quantize accepted {bad} without raising"
+    return None
+
+
+def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device) -> list[str]:
+    """All mismatches of `quantizer` against the reference on one case (empty: bit-exact)."""
+    reference = ReferenceQuantizer()
+    gen = torch.Generator().manual_seed(1234 + bits)
+    x = case.make(bits, gen)
+    # alternating signs: partial sums cancel instead of overflowing in the dynamic-range case
+    k_inputs = [case.make(bits, gen).to(torch.float32) * (-1) ** j for j in range(case.chunks)]
+    x, k_inputs = x.to(device), [t.to(device) for t in k_inputs]
+    block = case.block
+    problems: list[Optional[str]] = []
+
+    codes, scales = quantizer.quantize(x, bits, block)
+    ref_codes, ref_scales = reference.quantize(x, bits, block)
+    problems.append(_bitwise_mismatch("quantize codes", codes, ref_codes))
+    problems.append(_bitwise_mismatch("quantize scales", scales, ref_scales))
+    for dtype in INPUT_DTYPES:
+        problems.append(_bitwise_mismatch(
+            f"dequantize to {dtype}", quantizer.dequantize(ref_codes, ref_scales, bits, block,
+                                                           dtype=dtype),
+            reference.dequantize(ref_codes, ref_scales, bits, block, dtype=dtype)))
+
+    encoded = [reference.quantize(t, bits, block) for t in k_inputs]
+    codes_k = torch.cat([c for c, _ in encoded])
+    scales_k = torch.cat([s for _, s in encoded])
+    k = case.chunks
+    got = quantizer.reduce_requantize(codes_k, scales_k, k, bits, block)
+    want = reference.reduce_requantize(codes_k, scales_k, k, bits, block)
+    problems.append(_bitwise_mismatch("reduce_requantize codes", got[0], want[0]))
+    problems.append(_bitwise_mismatch("reduce_requantize scales", got[1], want[1]))
+    # error feedback in the fused pass: a residual of the size of one chunk, updated in place
+    chunk_codes, chunk_blocks = codes_k.numel() // k, scales_k.numel() // k
+    residual = -0.3 * reference.dequantize(codes_k[-chunk_codes:], scales_k[-chunk_blocks:], bits,
+                                           block)
+    got_residual, want_residual = residual.clone(), residual.clone()
+    got = quantizer.reduce_requantize(codes_k, scales_k, k, bits, block, residual=got_residual)
+    want = reference.reduce_requantize(codes_k, scales_k, k, bits, block, residual=want_residual)
+    problems.append(_bitwise_mismatch("reduce_requantize+residual codes", got[0], want[0]))
+    problems.append(_bitwise_mismatch("reduce_requantize+residual scales", got[1], want[1]))
+    problems.append(_bitwise_mismatch("residual after reduce_requantize", got_residual,
+                                      want_residual))
+    problems.append(_bitwise_mismatch(
+        "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
+        reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
+    problems.append(_refuses_non_finite(quantizer, x, bits, block))
+    return [p for p in problems if p is not None]
+
+
+def check_all(quantizer: Quantizer, device: torch.device,
+              names: Optional[list[str]] = None) -> dict[str, list[str]]:
+    """{"<case>/int<bits>": mismatches} for every case (or the named ones) and both bit widths."""
+    results = {}
+    for case in CASES:
+        if names and case.name not in names:
+            continue
+        for bits in (8, 4):
+            try:
+                results[f"{case.name}/int{bits}"] = check_case(quantizer, case, bits, device)
+            except Exception as exc:  # report, do not stop: one broken case should not hide others
+                results[f"{case.name}/int{bits}"] = [f"raised {type(exc).__name__}: {exc}"]
+    return results

@@ -1,0 +1,265 @@
+"""Triton kernels for GPUs, vendor-neutral (CUDA and ROCm): one program per block.
+
+Only portable Triton is used: `tl.math.div_rn` for IEEE division, integer max over the raw bits of
+|x| for the block amax (a float max may drop NaN on GPUs), round half to even by adding and
+subtracting 1.5 * 2^23 (no vendor libdevice `rint`), and fp fusion disabled at launch so the
+k-chunk sum multiplies and adds separately, as the reference does. Results equal the torch
+reference bit for bit.
+
+On CPU these kernels run only under the Triton interpreter (`TRITON_INTERPRET=1`, set before
+triton is imported), which the tests use with small grids.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from .base import Quantizer, QuantizationError, codes_dtype, qmax
+
+ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23
+
+
+@triton.jit
+def _block_scale(abs_bits, QMAX: tl.constexpr):
+    """Scale of one block from the raw bits of |x| (masked lanes hold 0): amax / qmax, 0 -> 1."""
+    amax = tl.max(abs_bits, axis=0).to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(amax, QMAX)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _encode(x, scale, QMAX: tl.constexpr):
+    """clamp(round_half_even(x / scale), -qmax, qmax) as int32."""
+    v = tl.math.div_rn(x, scale)
+    v = (v + ROUND_MAGIC) - ROUND_MAGIC
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    return v.to(tl.int32)
+
+
+@triton.jit
+def _nibble(byte):
+    """Sign-extend a 4-bit two's complement value held in an int32."""
+    return byte - ((byte & 8) << 1)
+
+
+@triton.jit
+def _to_output(v, out_ptr):
+    """Cast fp32 values to the output element type, rounding to nearest even.
+
+    bf16 is rounded with integer ops (what the GPU's conversion does) so that the result is the
+    same under the CPU interpreter, whose own fp32 -> bf16 cast truncates; NaN becomes 0x7FC0 as in
+    torch.
+    """
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _quantize8_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
+                      SPAN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SPAN)
+    mask = offs < block
+    x = tl.load(x_ptr + b * block + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = _block_scale(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
+    tl.store(scales_ptr + b, scale)
+    tl.store(codes_ptr + b * block + offs, _encode(x, scale, QMAX).to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _quantize4_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
+                      HALF_SPAN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, HALF_SPAN)
+    mask = pairs < block // 2
+    base = x_ptr + b * block + 2 * pairs
+    lo = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+    bits = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                      hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    scale = _block_scale(bits, QMAX)
+    tl.store(scales_ptr + b, scale)
+    packed = (_encode(lo, scale, QMAX) & 0xF) | ((_encode(hi, scale, QMAX) & 0xF) << 4)
+    tl.store(codes_ptr + b * (block // 2) + pairs, packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dequantize8_kernel(codes_ptr, scales_ptr, out_ptr, block, SPAN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SPAN)
+    mask = offs < block
+    scale = tl.load(scales_ptr + b)
+    codes = tl.load(codes_ptr + b * block + offs, mask=mask, other=0).to(tl.float32)
+    out = codes * scale
+    tl.store(out_ptr + b * block + offs, _to_output(out, out_ptr), mask=mask)
+
+
+@triton.jit
+def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, HALF_SPAN)
+    mask = pairs < block // 2
+    scale = tl.load(scales_ptr + b)
+    byte = tl.load(codes_ptr + b * (block // 2) + pairs, mask=mask, other=0).to(tl.int32)
+    lo = _nibble(byte & 0xF).to(tl.float32) * scale
+    hi = _nibble(byte >> 4).to(tl.float32) * scale
+    base = out_ptr + b * block + 2 * pairs
+    tl.store(base, _to_output(lo, out_ptr), mask=mask)
+    tl.store(base + 1, _to_output(hi, out_ptr), mask=mask)
+
+
+@triton.jit
+def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
+                    k, n_blocks, block, QMAX: tl.constexpr, SPAN: tl.constexpr,
+                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Sum the k INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum.
+
+    With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SPAN)
+    mask = offs < block
+    acc = tl.zeros([SPAN], dtype=tl.float32)
+    for j in range(k):
+        chunk_block = j * n_blocks + b
+        scale_j = tl.load(scales_ptr + chunk_block)
+        codes = tl.load(codes_ptr + chunk_block * block + offs, mask=mask, other=0)
+        acc = acc + codes.to(tl.float32) * scale_j
+    if REQUANTIZE:
+        if HAS_RESIDUAL:
+            acc = acc + tl.load(res_ptr + b * block + offs, mask=mask, other=0.0)
+        scale = _block_scale(acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
+        tl.store(out_scales_ptr + b, scale)
+        codes = _encode(acc, scale, QMAX)
+        tl.store(out_codes_ptr + b * block + offs, codes.to(tl.int8), mask=mask)
+        if HAS_RESIDUAL:
+            tl.store(res_ptr + b * block + offs, acc - codes.to(tl.float32) * scale, mask=mask)
+    else:
+        tl.store(out_sum_ptr + b * block + offs, acc, mask=mask)
+
+
+@triton.jit
+def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
+                    k, n_blocks, block, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
+                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Sum the k packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store.
+
+    With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, HALF_SPAN)
+    mask = pairs < block // 2
+    acc_lo = tl.zeros([HALF_SPAN], dtype=tl.float32)
+    acc_hi = tl.zeros([HALF_SPAN], dtype=tl.float32)
+    for j in range(k):
+        chunk_block = j * n_blocks + b
+        scale_j = tl.load(scales_ptr + chunk_block)
+        byte = tl.load(codes_ptr + chunk_block * (block // 2) + pairs, mask=mask,
+                       other=0).to(tl.int32)
+        acc_lo = acc_lo + _nibble(byte & 0xF).to(tl.float32) * scale_j
+        acc_hi = acc_hi + _nibble(byte >> 4).to(tl.float32) * scale_j
+    if REQUANTIZE:
+        res = res_ptr + b * block + 2 * pairs
+        if HAS_RESIDUAL:
+            acc_lo = acc_lo + tl.load(res, mask=mask, other=0.0)
+            acc_hi = acc_hi + tl.load(res + 1, mask=mask, other=0.0)
+        bits = tl.maximum(acc_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                          acc_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        scale = _block_scale(bits, QMAX)
+        tl.store(out_scales_ptr + b, scale)
+        lo = _encode(acc_lo, scale, QMAX)
+        hi = _encode(acc_hi, scale, QMAX)
+        packed = (lo & 0xF) | ((hi & 0xF) << 4)
+        tl.store(out_codes_ptr + b * (block // 2) + pairs, packed.to(tl.uint8), mask=mask)
+        if HAS_RESIDUAL:
+            tl.store(res, acc_lo - lo.to(tl.float32) * scale, mask=mask)
+            tl.store(res + 1, acc_hi - hi.to(tl.float32) * scale, mask=mask)
+    else:
+        base = out_sum_ptr + b * block + 2 * pairs
+        tl.store(base, acc_lo, mask=mask)
+        tl.store(base + 1, acc_hi, mask=mask)
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _span(bits: int, block: int) -> int:
+    """Power-of-two lane count covering one block (INT4 kernels work on pairs)."""
+    return triton.next_power_of_2(block if bits == 8 else block // 2)
+
+
+class TritonQuantizer(Quantizer):
+    """Triton kernels for CUDA/ROCm tensors (CPU tensors only under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def _check_device(self, t: Tensor) -> None:
+        if t.device.type != "cuda" and not interpreter_active():
+            raise QuantizationError(
+                f"the triton quantizer needs a CUDA/ROCm tensor (or TRITON_INTERPRET=1); got {t.device}")
+
+    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+        self._check_device(x)
+        n_blocks = x.numel() // block
+        codes = torch.empty(x.numel() if bits == 8 else x.numel() // 2, dtype=codes_dtype(bits),
+                            device=x.device)
+        scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+        if n_blocks:
+            kernel = _quantize8_kernel if bits == 8 else _quantize4_kernel
+            kernel[(n_blocks,)](x, codes, scales, block, float(qmax(bits)), _span(bits, block))
+        return codes, scales
+
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
+                    dtype: torch.dtype) -> Tensor:
+        self._check_device(codes)
+        n_blocks = scales.numel()
+        out = torch.empty(n_blocks * block, dtype=dtype, device=codes.device)
+        if n_blocks:
+            kernel = _dequantize8_kernel if bits == 8 else _dequantize4_kernel
+            kernel[(n_blocks,)](codes, scales, out, block, _span(bits, block))
+        return out
+
+    def _reduce(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int, block: int,
+                requantize: bool, residual: Optional[Tensor] = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        self._check_device(codes_k)
+        n_blocks = scales_k.numel() // k
+        device = codes_k.device
+        numel = n_blocks * block
+        if requantize:
+            codes = torch.empty(numel if bits == 8 else numel // 2, dtype=codes_dtype(bits),
+                                device=device)
+            scales = torch.empty(n_blocks, dtype=torch.float32, device=device)
+            total = scales  # unused by the kernel in this mode; any valid pointer
+        else:
+            total = torch.empty(numel, dtype=torch.float32, device=device)
+            codes, scales = total, total  # unused in this mode
+        if n_blocks:
+            kernel = _reduce8_kernel if bits == 8 else _reduce4_kernel
+            res = residual if residual is not None else scales  # unused without a residual
+            kernel[(n_blocks,)](codes_k, scales_k, codes, scales, total, res, k, n_blocks, block,
+                                float(qmax(bits)), _span(bits, block), requantize,
+                                residual is not None, enable_fp_fusion=False)
+        return codes, scales, total
+
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        codes, scales, _ = self._reduce(codes_k, scales_k, k, bits, block, True, residual)
+        return codes, scales
+
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
+                        block: int) -> Tensor:
+        return self._reduce(codes_k, scales_k, k, bits, block, requantize=False)[2]

@@ -1,0 +1,56 @@
+"""The Triton kernels, run on CPU by the Triton interpreter, bit for bit against the reference.
+
+TRITON_INTERPRET must be set before triton is imported, so the kernels run in one subprocess
+(`python -m megatron.ops.quant check --impl triton --json`) and this process only reads its
+verdict per case; nothing here changes the environment of other tests. Every case is at most a
+few dozen blocks (one interpreted program each).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.ops.quant import get_quantizer
+from megatron.ops.quant.selfcheck import CASES
+
+REPO = Path(__file__).resolve().parents[1]
+CASE_IDS = [f"{case.name}/int{bits}" for case in CASES for bits in (8, 4)]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (an optional extra)")
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, list[str]]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "megatron.ops.quant", "check", "--impl", "triton",
+         "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        pytest.fail(f"the interpreted check printed nothing (rc {done.returncode}):\n{done.stderr}")
+    return json.loads(lines[-1])
+
+
+def test_every_case_ran(interpreted_results):
+    assert sorted(interpreted_results) == sorted(CASE_IDS)
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_bit_exact_against_reference(interpreted_results, case_id):
+    assert interpreted_results[case_id] == []
+
+
+def test_triton_on_a_cpu_tensor_without_interpreter_falls_back(caplog):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("this process itself runs under the Triton interpreter")
+    with caplog.at_level("WARNING", logger="megatron.ops.quant"):
+        quantizer = get_quantizer("triton", "cpu")
+    assert quantizer.name == "reference"
+    assert any("Triton quantization kernels unavailable" in r.getMessage() for r in caplog.records)
