@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from megatron.checkpointing.param_slices import check_shapes, make_engine_state
 from megatron.config.schema import OptimizerConfig
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -102,12 +103,31 @@ class LocalEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
 
-    # -- checkpoint hooks: one rank, so the "shard" is everything -------------------------------
+    # -- checkpoint hooks: one rank, so this rank's pieces are whole parameters -----------------
     def checkpoint_state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict()}
+        pieces, shapes = [], {}
+        step = 0
+        for name, param in self.model.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            zeros = torch.zeros(param.numel())
+            step = int(state["step"]) if "step" in state else step
+            shapes[name] = tuple(param.shape)
+            pieces.append({"name": name, "offset": 0, "length": param.numel(),
+                           "master": param.detach().float().flatten().cpu().clone(),
+                           "exp_avg": state.get("exp_avg", zeros).detach().float().flatten().cpu().clone(),
+                           "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().float().flatten().cpu().clone()})
+        return make_engine_state(pieces, shapes, step, {"loss_scaler": self.scaler.state_dict()})
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+    @torch.no_grad()
+    def load_full_state(self, full: dict) -> None:
+        params = dict(self.model.named_parameters())
+        check_shapes(full["shapes"], {n: tuple(p.shape) for n, p in params.items()}, "being loaded")
+        for name, param in params.items():
+            param.copy_(full["params"][name])
+            if full["step"] > 0:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(float(full["step"])),
+                    "exp_avg": full["exp_avg"][name].to(param.device, param.dtype).clone(),
+                    "exp_avg_sq": full["exp_avg_sq"][name].to(param.device, param.dtype).clone()}
+        if full.get("loss_scaler"):
+            self.scaler.load_state_dict(full["loss_scaler"])

@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpointing.checkpointer import (Checkpointer, latest_step_dir, load_meta,
                                                  load_rank_state)
+from megatron.checkpointing.param_slices import assemble_full_state
 from megatron.config import config_to_dict
 from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
@@ -184,9 +185,9 @@ class Trainer:
             log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
             return False
         meta = load_meta(step_dir)
-        state = load_rank_state(step_dir, self.runtime.rank)
-        self.engine.load_checkpoint_state(state["engine"])
-        _set_rng_state(state["rng"])
+        self.engine.load_full_state(assemble_full_state(step_dir))
+        same_rank = self.runtime.rank if self.runtime.rank < meta["world_size"] else 0
+        _set_rng_state(load_rank_state(step_dir, same_rank)["rng"])
         self.iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
         log_print(f"resumed from {step_dir} at step {self.iteration}", self.runtime.rank)
