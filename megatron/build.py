@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.hf_io import import_hf
+from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
@@ -64,6 +66,14 @@ def _derive_vocab(cfg, tokenizer_vocab: int):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded))
 
 
+def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
+    _, state = import_hf(folder)
+    check_shapes({k: list(v.shape) for k, v in state.items()},
+                 {k: tuple(v.shape) for k, v in model.state_dict().items() if k in dict(model.named_parameters())},
+                 folder)
+    model.load_state_dict(state, strict=False)
+
+
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     accumulation = cfg.training.gradient_accumulation_steps
     if not runtime.distributed:
@@ -89,6 +99,8 @@ def build_training(cfg) -> Run:
                                                barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
     torch.manual_seed(cfg.data.seed)
     model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
+    if cfg.checkpoint.load_hf:
+        load_hf_weights(model, cfg.checkpoint.load_hf)
     if runtime.is_main:
         params = num_parameters(model)
         flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size, cfg.model.seq_length)

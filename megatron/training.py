@@ -185,7 +185,13 @@ class Trainer:
             log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
             return False
         meta = load_meta(step_dir)
-        self.engine.load_full_state(assemble_full_state(step_dir))
+        full = assemble_full_state(step_dir)
+        if self.cfg.checkpoint.finetune:  # weights only: a new run from step 0
+            zeros = {name: torch.zeros_like(t) for name, t in full["params"].items()}
+            self.engine.load_full_state({**full, "step": 0, "exp_avg": zeros, "exp_avg_sq": zeros})
+            log_print(f"finetuning from the weights of {step_dir}", self.runtime.rank)
+            return True
+        self.engine.load_full_state(full)
         same_rank = self.runtime.rank if self.runtime.rank < meta["world_size"] else 0
         _set_rng_state(load_rank_state(step_dir, same_rank)["rng"])
         self.iteration = meta["iteration"]

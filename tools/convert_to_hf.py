@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Export a NeoX-Topo checkpoint step (saved under any layout) as a Hugging Face GPTNeoXForCausalLM.
+
+    python tools/convert_to_hf.py --input_dir checkpoints/tiny-cpu/global_step200 --output_dir hf/tiny
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron.checkpointing.checkpointer import CheckpointError  # noqa: E402
+from megatron.checkpointing.hf_io import export_hf  # noqa: E402
+from megatron.config import ConfigError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input_dir", required=True, help="a global_stepN checkpoint folder")
+    parser.add_argument("--output_dir", required=True, help="where to write config.json + model.safetensors")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        out = export_hf(args.input_dir, args.output_dir, dtype)
+    except (CheckpointError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
