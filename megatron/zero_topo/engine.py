@@ -1,0 +1,335 @@
+"""The ZeRO-topo engine: sharded training of a model given as a list of units (docs/engine.md).
+
+Per micro-batch each unit is gathered before its forward (weight group; zeropp: world, then node
+from the secondary copy), released after it, gathered again before its backward, and its summed
+gradient reduce-scattered down the ladder (weight group, stride group) into an fp32 1/g accumulator.
+At the step boundary the accumulator is reduce-scattered across the cross group, all-reduced across
+replicas, clipped with the global norm, AdamW updates the fp32 1/os master slice, and the new
+weights climb back (cross, stride) into the 1/w weight chunk.
+
+Hooks and the per-unit state machine (why each rule exists):
+- forward pre-hook: gather if released, then point the module's attributes at ``flat``. Inside our
+  own ``backward()`` a forward is autograd recomputing a checkpointed unit: a re-entrant checkpoint
+  reaches it released (gather, phase ``recompute_gather``), a non-re-entrant one after the pre-backward
+  hook gathered it as ``bwd_gather`` (that charge is moved to ``recompute_gather`` once; the unit is
+  remembered as recomputing and later gathers are charged right away).
+- forward post-hook: outside backward, release and hook the outputs (pre-backward gather); during a
+  recompute, keep the unit gathered for the backward that follows.
+- post-accumulate-grad hook on ``flat``: fires once per backward with the unit's summed gradient:
+  reduce, accumulate, drop the gradient, release.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
+from megatron.zero_topo.comm import Communicator
+from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
+from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
+from megatron.zero_topo import state_io
+
+LossFn = Callable[[nn.Module, dict], torch.Tensor]
+COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "bf16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+class ZeroTopoEngine:
+    """Sharded model + AdamW over ``groups``; the training loop's interface (see megatron/engine.py)."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
+                 groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
+                 preset: Optional[str] = None, *, fp32_allreduce: bool = False):
+        if precision not in COMPUTE_DTYPES:
+            raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
+        if accumulation_steps < 1:
+            raise EngineError(f"gradient_accumulation_steps must be >= 1, got {accumulation_steps}")
+        if getattr(model, "has_tied_embeddings", False):
+            raise EngineError("the model ties its input and output embeddings across two units; "
+                              "set no_weight_tying: true to train with the ZeRO-topo engine")
+        n, factors = groups.world_size, groups.factors
+        self.hpz = preset == "zeropp"
+        if self.hpz and factors.as_tuple() != (n, n, n):
+            raise EngineError(f"preset zeropp needs shard factors ({n}, {n}, {n}), got {factors.as_tuple()}")
+        self.model, self.loss_fn, self.groups, self.comm = model, loss_fn, groups, comm
+        self.ledger = comm.ledger
+        self.preset = preset
+        self.accumulation_steps = accumulation_steps
+        self.hyper = AdamWHyper.from_config(opt_cfg)
+        self.gradient_clipping = float(opt_cfg.gradient_clipping or 0.0)
+        self.dtype = COMPUTE_DTYPES[precision]
+        # Dtype of the step-boundary hops (cross, replica): the compute dtype unless fp32_allreduce.
+        self.boundary_dtype = torch.float32 if fp32_allreduce else self.dtype
+        self.loss_scale = DynamicLossScale(enabled=self.dtype is torch.float16)
+        self.step_count = 0            # optimizer steps taken (AdamW's t)
+        self.micro_count = 0           # micro-batches since the last optimizer step
+        self._in_backward = False      # inside our own backward(): a unit forward is a recompute
+        self._forward_phase = "eval_gather"
+        self.units = self._build_units(model, units, n)
+        self._hooks = [h for u in self.units for h in self._install_hooks(u)]
+        self._check_same_init()
+        self.ledger.reset()
+
+    # -- construction -------------------------------------------------------------------------------
+    def _build_units(self, model: nn.Module, units: list[nn.Module], n: int) -> list[FlatUnit]:
+        names_by_id = {id(p): name for name, p in model.named_parameters()}
+        owner: dict[int, int] = {}
+        slot_lists = []
+        for i, unit in enumerate(units):
+            slots = build_slots(unit, names_by_id)
+            if not slots:
+                raise EngineError(f"unit {i} ({type(unit).__name__}) has no parameters; pass only units that do")
+            for slot in slots:
+                pid = id(getattr(slot.module, slot.attr))
+                if pid in owner:
+                    raise EngineError(f"parameter {slot.name} belongs to units {owner[pid]} and {i}; "
+                                      "parameters shared across units (tied weights) are not supported")
+                owner[pid] = i
+            slot_lists.append(slots)
+        missing = [name for name, p in model.named_parameters() if id(p) not in owner]
+        if missing:
+            raise EngineError(f"parameters outside every unit: {', '.join(missing[:5])}; every parameter must be in a unit")
+        device = next(model.parameters()).device
+        self.device = device
+        chunks = chunks_of(self.groups.rank, self.groups.factors)
+        multiple = n  # docs/engine.md: S is a multiple of N, so every hop's buffer splits evenly
+        return [FlatUnit(i, unit, slots, multiple, self.groups.factors, chunks, self.dtype, device)
+                for i, (unit, slots) in enumerate(zip(units, slot_lists))]
+
+    def _install_hooks(self, unit: FlatUnit) -> list:
+        return [unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u)),
+                unit.module.register_forward_hook(lambda _m, _a, out, u=unit: self._post_forward(u, out)),
+                unit.flat.register_post_accumulate_grad_hook(lambda _p, u=unit: self._post_accumulate(u))]
+
+    def _check_same_init(self) -> None:
+        """Every rank must start from the same weights (same seed): compare checksums once."""
+        world = self.groups.world
+        if world.size == 1:
+            return
+        local = torch.tensor([v for u in self.units for v in u.init_checksum], dtype=torch.float64, device=self.device)
+        everyone = torch.empty(local.numel() * world.size, dtype=torch.float64, device=self.device)
+        self.comm.all_gather(everyone, local, world, "control")
+        table = everyone.view(world.size, -1)
+        for r in range(1, world.size):
+            if not torch.equal(table[r], table[0]):
+                raise EngineError(f"rank {r} starts from different weights than rank 0: "
+                                  "seed the model identically on every rank")
+
+    # -- gathers and releases -----------------------------------------------------------------------
+    def _gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
+        full = unit.allocate()
+        if self.hpz and unit.secondary is not None:
+            charges = self.comm.all_gather(full, unit.secondary, self.groups.node, phase)
+        else:
+            charges = self.comm.all_gather(full, unit.shard, self.groups.weight, phase)
+            if self.hpz:  # first gather after a step: keep this node's secondary chunk
+                r, per_node = self.groups.rank, self.groups.node.size
+                step = unit.size // per_node
+                unit.secondary = full[(r % per_node) * step: (r % per_node + 1) * step].clone()
+        unit.gathered = True
+        return charges
+
+    def _pre_forward(self, unit: FlatUnit) -> None:
+        if self._in_backward:
+            if not unit.gathered:
+                self._gather(unit, "recompute_gather")
+            elif unit.pending_bwd_charges is not None:
+                self.ledger.move(unit.pending_bwd_charges, "bwd_gather", "recompute_gather")
+            unit.pending_bwd_charges = None
+            unit.recomputes = True
+        elif not unit.gathered:
+            self._gather(unit, self._forward_phase)
+        unit.set_views()
+
+    def _post_forward(self, unit: FlatUnit, output) -> None:
+        if self._in_backward:
+            return
+        if torch.is_grad_enabled():
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        if unit.shardable:
+            unit.release()
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        if unit.gathered:
+            return
+        phase = "recompute_gather" if unit.recomputes else "bwd_gather"
+        charges = self._gather(unit, phase)
+        unit.pending_bwd_charges = charges if phase == "bwd_gather" else None
+
+    def _post_accumulate(self, unit: FlatUnit) -> None:
+        grad = unit.flat.grad
+        unit.flat.grad = None
+        unit.pending_bwd_charges = None
+        self._reduce_gradient(unit, grad)
+        if unit.shardable:
+            unit.release()
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def _reduce_gradient(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        """S-element gradient -> weight group -> stride group -> added into the fp32 1/g accumulator."""
+        grad = grad.detach().to(self.dtype).reshape(-1)
+        for group in (self.groups.weight, self.groups.stride):
+            grad = self._reduce_scatter(grad, group, "grad_reduce")
+        unit.grad_accum.add_(grad)
+
+    def _reduce_scatter(self, buf: torch.Tensor, group: RankGroup, phase: str) -> torch.Tensor:
+        if group.size == 1:
+            return buf
+        out = torch.empty(buf.numel() // group.size, dtype=buf.dtype, device=buf.device)
+        self.comm.reduce_scatter(out, buf, group, phase)
+        return out
+
+    def _gather_up(self, chunk: torch.Tensor, groups: list[RankGroup], phase: str,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """All-gather ``chunk`` up the listed groups (each result feeds the next); the last lands in ``out``."""
+        live = [g for g in groups if g.size > 1]
+        for i, group in enumerate(live):
+            last = i == len(live) - 1
+            dest = out if last and out is not None else torch.empty(
+                chunk.numel() * group.size, dtype=chunk.dtype, device=chunk.device)
+            self.comm.all_gather(dest, chunk, group, phase)
+            chunk = dest
+        if out is not None and not live:
+            out.copy_(chunk)
+            return out
+        return chunk
+
+    def _step_gradient(self, unit: FlatUnit) -> torch.Tensor:
+        """The fp32 gradient of the mean loss on this rank's 1/os slice (cross, replica hops)."""
+        cross, replica = self.groups.cross, self.groups.replica
+        grad = unit.grad_accum
+        if cross.size > 1:
+            grad = self._reduce_scatter(grad.to(self.boundary_dtype), cross, "cross_grad_reduce")
+        if replica.size > 1:
+            grad = grad.to(self.boundary_dtype)
+            self.comm.all_reduce(grad, replica, "replica_allreduce")
+        scale = self.groups.world_size * self.accumulation_steps * self.loss_scale.scale
+        return grad.float() / scale  # a new tensor: the accumulator itself is zeroed after the step
+
+    # -- the loop's interface -----------------------------------------------------------------------
+    def _autocast(self):
+        if self.dtype is torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def forward_backward(self, batch: dict) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients land in the 1/g accumulators."""
+        if self.micro_count >= self.accumulation_steps:
+            raise EngineError(f"forward_backward called {self.micro_count + 1} times before optimizer_step "
+                              f"(gradient_accumulation_steps = {self.accumulation_steps})")
+        self.model.train()
+        self._forward_phase = "fwd_gather"
+        try:
+            with self._autocast():
+                loss = self.loss_fn(self.model, batch)
+            self._in_backward = True
+            (loss * self.loss_scale.scale if self.loss_scale.enabled else loss).backward()
+        finally:
+            self._in_backward = False
+            self._forward_phase = "eval_gather"
+        for unit in self.units:  # a unit that took no part in backward must not stay gathered
+            unit.pending_bwd_charges = None
+            if unit.shardable and unit.gathered:
+                unit.release()
+        self.micro_count += 1
+        return loss.detach()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        self.model.eval()
+        with self._autocast():
+            return self.loss_fn(self.model, batch).detach()
+
+    @torch.no_grad()
+    def optimizer_step(self, lr: float) -> dict:
+        """Reduce, clip, AdamW, refresh. Returns {"grad_norm": global pre-clip norm}."""
+        if self.micro_count != self.accumulation_steps:
+            raise EngineError(f"optimizer_step after {self.micro_count} micro-batches; expected "
+                              f"gradient_accumulation_steps = {self.accumulation_steps}")
+        grads = [self._step_gradient(u) for u in self.units]
+        norm = self._global_norm(grads)
+        finite = math.isfinite(norm)
+        if finite:
+            if self.gradient_clipping > 0:
+                coef = clip_coefficient(norm, self.gradient_clipping)
+                for g in grads:
+                    g.mul_(coef)
+            self.step_count += 1
+            for unit, grad in zip(self.units, grads):
+                adamw_update(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.decay_ranges,
+                             lr=lr, step=self.step_count, hyper=self.hyper)
+                self._refresh(unit, "refresh")
+        self.loss_scale.update(finite)
+        for unit in self.units:
+            unit.grad_accum.zero_()
+            unit.secondary = None  # zeropp: the next step's first gather rebuilds it
+        self.micro_count = 0
+        metrics = {"grad_norm": norm}
+        if self.loss_scale.enabled:
+            metrics.update(loss_scale=self.loss_scale.scale, skipped_step=float(not finite))
+        return metrics
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """sqrt of the sum of squares over all slices; replica 0 counts, one world all-reduce."""
+        world = self.groups.world
+        local = sum(float(g.double().square().sum()) for g in grads) if self.groups.replica.index(self.groups.rank) == 0 else 0.0
+        vec = torch.zeros(world.size, dtype=torch.float32, device=self.device)
+        vec[world.index(self.groups.rank)] = local
+        self.comm.all_reduce(vec, world, "control")
+        return math.sqrt(float(vec.double().sum()))
+
+    def _refresh(self, unit: FlatUnit, phase: str) -> None:
+        """New weight chunk from the master slice: cast, then all-gather across cross and stride groups."""
+        self._gather_up(unit.master.to(self.dtype), [self.groups.cross, self.groups.stride], phase, out=unit.shard)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum over every rank as one float64 world all-reduce padded to a multiple of N (control)."""
+        world = self.groups.world
+        padded = max(-(-len(values) // world.size) * world.size, world.size)
+        buf = torch.zeros(padded, dtype=torch.float64, device=self.device)
+        buf[: len(values)] = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(buf, world, "control")
+        return buf[: len(values)].tolist()
+
+    # -- states (implemented in state_io) -------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master parameters by name (plus the model's persistent buffers) on every rank.
+        Collective; its gathers are charged to the ``checkpoint`` phase."""
+        return state_io.full_state_dict(self)
+
+    def sharded_state(self) -> dict:
+        return state_io.sharded_state(self)
+
+    def load_sharded_state(self, state: dict) -> None:
+        state_io.load_sharded_state(self, state)
+
+    def load_full_state_dict(self, params: dict[str, torch.Tensor], optimizer: Optional[dict] = None) -> None:
+        state_io.load_full_state_dict(self, params, optimizer)
+
+    def checkpoint_state(self) -> dict:
+        return self.sharded_state()
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.load_sharded_state(state)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return state_io.model_state_bytes(self)
+
+    def num_parameters(self) -> int:
+        return sum(u.numel for u in self.units)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []

@@ -1,0 +1,158 @@
+"""A model unit's parameters as one padded flat buffer, and the sharded states the engine keeps for it.
+
+The unit's parameters (``named_parameters()`` order) are concatenated into ``flat``, a leaf tensor of
+``S`` elements (compute dtype) padded with zeros to a multiple of ``q``; each module attribute that
+held a parameter is replaced by a view into ``flat``. When the unit is sharded (w > 1) the storage of
+``flat`` is released between uses (``untyped_storage().resize_(0)``) and gathered back into the very
+same storage, so views and tensors autograd saved keep pointing at live data with unchanged version
+counters (the FSDP1 mechanism).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.topology.groups import ShardChunks, ShardFactors, chunk_range
+
+
+class EngineError(ValueError):
+    """A model or call the ZeRO-topo engine cannot handle; one line says what to change."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffer."""
+    name: str            # the model's name for it (``named_parameters()`` of the whole model)
+    module: nn.Module    # the module that owns the attribute
+    attr: str            # attribute name on ``module``
+    offset: int          # first element in the flat buffer
+    numel: int
+    shape: torch.Size
+    decay: bool          # weight decay applies (matrices); norms and biases (ndim < 2) get none
+
+
+def build_slots(unit: nn.Module, names_by_id: dict[int, str]) -> list[ParamSlot]:
+    """The unit's parameters in order, each named as the whole model names it."""
+    slots, offset = [], 0
+    seen: dict[int, str] = {}
+    for local_name, param in unit.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            raise EngineError(f"parameter {local_name} is the same tensor as {seen[id(param)]} inside one unit; "
+                              "shared parameters are not supported")
+        seen[id(param)] = local_name
+        owner_path, _, attr = local_name.rpartition(".")
+        owner = unit.get_submodule(owner_path) if owner_path else unit
+        slots.append(ParamSlot(names_by_id[id(param)], owner, attr, offset, param.numel(), param.shape, param.ndim >= 2))
+        offset += param.numel()
+    return slots
+
+
+def padded_size(numel: int, multiple: int) -> int:
+    return max(-(-numel // multiple) * multiple, multiple)
+
+
+class FlatUnit:
+    """One unit's flat buffer, its shard of the weights, gradients and optimizer states.
+
+    Tensors held (categories of ``engine.model_state_bytes``): ``flat`` (the full unit, compute
+    dtype; no storage while released), ``shard`` (weight chunk S/w; the same storage as ``flat``
+    when w == 1), ``secondary`` (zeropp's node-level chunk S/R), ``grad_accum`` (fp32 S/g), ``master``,
+    ``exp_avg``, ``exp_avg_sq`` (fp32 S/os).
+    """
+
+    def __init__(self, index: int, module: nn.Module, slots: list[ParamSlot], multiple: int,
+                 factors: ShardFactors, chunks: ShardChunks, dtype: torch.dtype, device: torch.device):
+        self.index, self.module, self.slots = index, module, slots
+        self.numel = sum(s.numel for s in slots)
+        self.size = padded_size(self.numel, multiple)
+        self.dtype = dtype
+        self.weight_range = chunk_range(self.size, factors.w, chunks.weight)
+        self.grad_range = chunk_range(self.size, factors.g, chunks.grad)
+        self.opt_range = chunk_range(self.size, factors.os, chunks.opt)
+        self.shardable = factors.w > 1
+        self.decay_ranges = _decay_ranges(slots, self.opt_range)
+
+        full = torch.zeros(self.size, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for slot in slots:
+                param = getattr(slot.module, slot.attr)
+                full[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+        full64 = full.double()
+        self.init_checksum = (float(full64.sum()), float(full64.abs().sum()))  # ranks must agree
+        del full64
+        self.master = full[slice(*self.opt_range)].clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad_accum = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=torch.float32, device=device)
+        self.secondary: Optional[torch.Tensor] = None
+        self.flat = full.to(dtype).requires_grad_(True)
+        if self.shardable:
+            self.shard = self.flat.detach()[slice(*self.weight_range)].clone()
+            self.release()
+        else:
+            self.shard = self.flat.data  # the whole unit is this rank's weight chunk
+        del full
+        for slot in slots:  # the module attributes become plain tensors (views set by set_views)
+            del slot.module._parameters[slot.attr]
+        # The per-unit state machine of the hooks (see engine.py).
+        self.gathered = not self.shardable
+        self.recomputes = False                       # autograd re-runs this unit (activation checkpointing)
+        self.pending_bwd_charges: Optional[dict] = None  # a backward gather not yet known to be a recompute
+
+    # -- the full buffer ------------------------------------------------------------------------
+    def allocate(self) -> torch.Tensor:
+        """Give ``flat`` its storage back (contents undefined) and return a tensor aliasing it."""
+        storage = self.flat.untyped_storage()
+        nbytes = self.size * self.flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        return self.flat.data
+
+    def release(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def set_views(self) -> None:
+        """Point every module attribute at its slice of ``flat`` (autograd-tracked when grad is on)."""
+        sizes = [s.numel for s in self.slots]
+        if self.size > self.numel:
+            sizes.append(self.size - self.numel)
+        for slot, piece in zip(self.slots, self.flat.split(sizes)):
+            slot.module.__dict__[slot.attr] = piece.view(slot.shape)
+
+    def param_views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameters by name as views of a full (S-element) buffer."""
+        return {s.name: full[s.offset: s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def layout(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """(name, offset in the flat buffer, numel, shape) of every parameter."""
+        return [(s.name, s.offset, s.numel, tuple(s.shape)) for s in self.slots]
+
+    def slice_map(self) -> list[tuple[str, int, int]]:
+        """(name, first element inside the parameter, length) of the parameter pieces in this rank's
+        optimizer slice, in slice order. The pieces are contiguous from the slice's first element
+        (padding exists only at the unit's tail, after them)."""
+        start, end = self.opt_range
+        out = []
+        for s in self.slots:
+            lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+            if lo < hi:
+                out.append((s.name, lo - s.offset, hi - lo))
+        return out
+
+
+def _decay_ranges(slots: list[ParamSlot], opt_range: tuple[int, int]) -> list[tuple[int, int]]:
+    """Runs [a, b) of the optimizer slice (slice-relative) that get weight decay, merged."""
+    start, end = opt_range
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+        if s.decay and lo < hi:
+            if runs and runs[-1][1] == lo - start:
+                runs[-1] = (runs[-1][0], hi - start)
+            else:
+                runs.append((lo - start, hi - start))
+    return runs

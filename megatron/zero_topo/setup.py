@@ -1,0 +1,36 @@
+"""From a validated config to a running engine, in the documented order:
+topology -> factors -> process groups -> communicator (+ ledger) -> engine.
+
+The trainer calls ``engine_from_config`` once after ``init_process_group``; nothing here is global.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import nn
+
+from megatron.topology import ProcessGroups, Topology, resolve_factors
+from megatron.zero_topo.comm import Communicator
+from megatron.zero_topo.engine import ZeroTopoEngine
+from megatron.zero_topo.flat_unit import EngineError
+
+
+def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int,
+                       topology: Optional[Topology] = None, units: Optional[list[nn.Module]] = None) -> ZeroTopoEngine:
+    """Build the ZeRO-topo engine for ``model`` from ``cfg`` (a validated ``NeoXConfig``).
+
+    ``topology`` defaults to ``Topology.from_config(cfg, world_size)``; ``units`` to ``model.units()``.
+    """
+    zero = cfg.zero
+    if zero.zero_quantized_weights or zero.zero_quantized_gradients:
+        raise EngineError("zero_quantized_weights / zero_quantized_gradients are not implemented by the engine yet; "
+                          "set them to false")
+    topology = topology or Topology.from_config(cfg, world_size)
+    factors, preset = resolve_factors(zero, topology)
+    groups = ProcessGroups.build(topology, factors)
+    device = next(model.parameters()).device
+    comm = Communicator(groups, device=device)
+    accumulation = cfg.training.gradient_accumulation_steps or 1
+    return ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
+                          cfg.precision.precision, groups, comm, accumulation, preset=preset,
+                          fp32_allreduce=bool(cfg.precision.fp32_allreduce))

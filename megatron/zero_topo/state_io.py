@@ -1,0 +1,166 @@
+"""The engine's states in and out: full parameters by name, per-rank slices with their maps, and the
+bytes of model states held per rank.
+
+Gathers made here are charged to the ledger phase ``checkpoint`` (outside the per-step model).
+Loading from full tensors is local (every rank cuts its own slices), so a checkpoint written with any
+(w, g, os) or world size loads once the checkpointer has reassembled full tensors from the maps.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from megatron.zero_topo.flat_unit import EngineError, FlatUnit
+
+if TYPE_CHECKING:
+    from megatron.zero_topo.engine import ZeroTopoEngine
+
+STATE_FORMAT = "zero_topo/1"
+
+
+@torch.no_grad()
+def gather_full(engine: "ZeroTopoEngine", unit: FlatUnit, tensor: torch.Tensor) -> torch.Tensor:
+    """An fp32 1/os slice of ``unit`` (master or moment) assembled into all S elements on every rank."""
+    g = engine.groups
+    return engine._gather_up(tensor.float(), [g.cross, g.stride, g.weight], "checkpoint")
+
+
+def full_state_dict(engine: "ZeroTopoEngine") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        full = gather_full(engine, unit, unit.master)
+        out.update({name: view.clone() for name, view in unit.param_views(full).items()})
+    for name, buf in engine.model.state_dict().items():  # persistent buffers (parameters are ours)
+        out.setdefault(name, buf.detach().float().clone())
+    return out
+
+
+def full_optimizer_state(engine: "ZeroTopoEngine") -> dict:
+    """AdamW moments by parameter name, gathered like ``full_state_dict`` (collective)."""
+    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for unit in engine.units:
+        for key in moments:
+            full = gather_full(engine, unit, getattr(unit, key))
+            moments[key].update({n: v.clone() for n, v in unit.param_views(full).items()})
+    return {"step": engine.step_count, **moments}
+
+
+def sharded_state(engine: "ZeroTopoEngine") -> dict:
+    """This rank's fp32 master and moments with the maps needed to reassemble them (no collective)."""
+    g = engine.groups
+    units = []
+    for unit in engine.units:
+        units.append({
+            "padded_size": unit.size, "offset": unit.opt_range[0], "length": unit.opt_range[1] - unit.opt_range[0],
+            "layout": unit.layout(), "slices": unit.slice_map(),
+            "master": unit.master.clone(), "exp_avg": unit.exp_avg.clone(), "exp_avg_sq": unit.exp_avg_sq.clone(),
+        })
+    return {"format": STATE_FORMAT, "rank": g.rank, "world_size": g.world_size, "factors": list(g.factors.as_tuple()),
+            "replica": g.replica.index(g.rank), "preset": engine.preset, "step": engine.step_count,
+            "loss_scale": engine.loss_scale.state_dict(), "units": units}
+
+
+@torch.no_grad()
+def load_sharded_state(engine: "ZeroTopoEngine", state: dict) -> None:
+    """Load slices saved by the same layout (world size, factors, unit sizes); rebuilds weights."""
+    g = engine.groups
+    if state.get("format") != STATE_FORMAT:
+        raise EngineError(f"sharded state has format {state.get('format')!r}, expected {STATE_FORMAT}")
+    if state["world_size"] != g.world_size or list(state["factors"]) != list(g.factors.as_tuple()):
+        raise EngineError(f"sharded state was saved with {state['world_size']} ranks and factors {state['factors']}, "
+                          f"this run has {g.world_size} and {list(g.factors.as_tuple())}: load it through full tensors")
+    if len(state["units"]) != len(engine.units):
+        raise EngineError(f"sharded state has {len(state['units'])} units, the model has {len(engine.units)}")
+    for unit, saved in zip(engine.units, state["units"]):
+        if saved["padded_size"] != unit.size or saved["offset"] != unit.opt_range[0] or saved["layout"] != unit.layout():
+            raise EngineError(f"sharded state of unit {unit.index} does not match this model's layout")
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(unit, key).copy_(saved[key])
+    engine.step_count = int(state["step"])
+    engine.loss_scale.load_state_dict(state["loss_scale"])
+    for unit in engine.units:
+        _reset_transient(unit)
+        engine._refresh(unit, "checkpoint")
+
+
+@torch.no_grad()
+def load_full_state_dict(engine: "ZeroTopoEngine", params: dict[str, torch.Tensor],
+                         optimizer: Optional[dict] = None) -> None:
+    """Every rank cuts its slices from full tensors by name (local; any previous layout).
+
+    ``optimizer`` (optional) is ``{"step": int, "exp_avg": {name: T}, "exp_avg_sq": {name: T}}``.
+    """
+    for unit in engine.units:
+        full = _assemble(unit, params, "parameter")
+        unit.master.copy_(full[slice(*unit.opt_range)])
+        unit.shard.copy_(full[slice(*unit.weight_range)] if unit.shardable else full)
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = _assemble(unit, optimizer[key], key) if optimizer else torch.zeros(unit.size)
+            getattr(unit, key).copy_(moment[slice(*unit.opt_range)])
+        _reset_transient(unit)
+    engine.step_count = int(optimizer["step"]) if optimizer else 0
+
+
+def _assemble(unit: FlatUnit, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    full = torch.zeros(unit.size, dtype=torch.float32)
+    for slot in unit.slots:
+        if slot.name not in tensors:
+            raise EngineError(f"{what} {slot.name} is missing from the state to load")
+        value = tensors[slot.name]
+        if tuple(value.shape) != tuple(slot.shape):
+            raise EngineError(f"{what} {slot.name} has shape {tuple(value.shape)}, the model expects {tuple(slot.shape)}")
+        full[slot.offset: slot.offset + slot.numel] = value.detach().reshape(-1).float().cpu()
+    return full.to(unit.master.device)
+
+
+def _reset_transient(unit: FlatUnit) -> None:
+    unit.grad_accum.zero_()
+    unit.secondary = None
+    if unit.shardable and unit.gathered:
+        unit.release()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory of model states
+# ---------------------------------------------------------------------------------------------------
+
+CATEGORY_OF_ATTR = {"flat": "weights", "shard": "weights", "secondary": "secondary", "grad_accum": "grad_accum",
+                    "master": "master", "exp_avg": "moments", "exp_avg_sq": "moments"}
+CATEGORIES = ("weights", "secondary", "grad_accum", "master", "moments")
+
+
+def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
+    """Bytes of every tensor the engine holds, by category, each storage counted once.
+
+    Walks the attributes of the engine's units (tensors, and tensors in lists/dicts); a tensor whose
+    attribute has no category lands in ``other`` so a leak shows up. A released ``flat`` counts 0.
+    """
+    totals = {c: 0 for c in CATEGORIES}
+    seen: set[tuple[int, int]] = set()
+
+    def add(category: str, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if storage.nbytes() == 0 or key in seen:
+            return
+        seen.add(key)
+        totals[category] = totals.get(category, 0) + storage.nbytes()
+
+    for unit in engine.units:
+        for attr, value in vars(unit).items():
+            for tensor in _tensors_within(value):
+                add(CATEGORY_OF_ATTR.get(attr, "other"), tensor)
+            if attr == "flat" and value.grad is not None:
+                add("other", value.grad)
+    return totals
+
+
+def _tensors_within(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_within(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_within(v)]
+    return []
