@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) deepy.py train.py configs/tiny-cpu.yml
+	$(PY) deepy.py train.py configs/tiny-cpu.yml configs/sim-2x2x2.yml configs/zero_topo.yml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -9,7 +9,6 @@ import sys
 
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
-from megatron.logging.metrics import log_print
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
             run.report()
         finally:
             run.runtime.close()
-    log_print("done", 0)
     return 0
 
 

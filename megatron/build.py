@@ -24,7 +24,10 @@ from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
 from megatron.runtime import Runtime, init_runtime
 from megatron.training import Trainer
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+def _user_errors() -> tuple:
+    from megatron.topology import TopologyError
+    from megatron.zero_topo.flat_unit import EngineError
+    return (ConfigError, DataError, CheckpointError, TopologyError, EngineError)
 
 
 @contextlib.contextmanager
@@ -32,7 +35,7 @@ def user_errors():
     """Expected mistakes end the run with one line and exit code 2, never a traceback wall."""
     try:
         yield
-    except USER_ERRORS as err:
+    except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
@@ -49,7 +52,9 @@ class Run:
         if not self.runtime.is_main:
             return
         vocab = self.cfg.model.padded_vocab_size
-        lines = [f"final train loss {self.trainer.last_train_loss:.4f}"]
+        lines = []
+        if self.trainer.last_train_loss is not None:
+            lines.append(f"final train loss {self.trainer.last_train_loss:.4f}")
         if self.trainer.last_valid_loss is not None:
             lines.append(f"final validation loss {self.trainer.last_valid_loss:.4f}")
         entropy = unigram_entropy(self.train_data, vocab)
@@ -58,7 +63,8 @@ class Run:
         summary = self.trainer.comm_summary()
         if summary:
             lines.append(summary)
-        log_print(" | ".join(lines[:3]) + ("\n" + "\n".join(lines[3:]) if lines[3:] else ""))
+        losses = [line for line in lines if "loss" in line or "entropy" in line]
+        log_print(" | ".join(losses) + "".join("\n" + line for line in lines if line not in losses))
 
 
 def _derive_vocab(cfg, tokenizer_vocab: int):
@@ -75,12 +81,13 @@ def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
 
 
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
-    accumulation = cfg.training.gradient_accumulation_steps
+    """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
+    model = model.to(runtime.device)
     if not runtime.distributed:
-        return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision, accumulation,
-                           runtime.device)
-    from megatron.zero_topo.setup import build_zero_topo_engine
-    return build_zero_topo_engine(cfg, model, runtime, lm_loss)
+        return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
+                           cfg.training.gradient_accumulation_steps, runtime.device)
+    from megatron.zero_topo.setup import engine_from_config
+    return engine_from_config(cfg, model, lm_loss, runtime.world_size)
 
 
 def build_training(cfg) -> Run:

@@ -86,6 +86,9 @@ class Trainer:
             self.checkpointer.ensure_writable()
         self.stop = StopRequest()
         self.last_valid_loss: float | None = None
+        self.comm_totals: dict[str, int] = {}
+        self.start_iteration = 0
+        self.last_saved_iteration: int | None = None
         self.last_train_loss: float | None = None
 
     # -- one optimizer step ------------------------------------------------------------------
@@ -152,28 +155,31 @@ class Trainer:
         self.metrics.close()
 
     def _comm_metrics(self) -> dict:
-        ledger_sync = getattr(self.engine, "ledger_totals", None)
-        if ledger_sync is None:
+        """The byte ledger since the last sync (this step, plus any eval or checkpoint traffic that
+        came after the previous step), summed over ranks; the sync is itself counted."""
+        ledger = getattr(self.engine, "ledger", None)
+        if ledger is None:
             return {}
-        totals = ledger_sync()  # {(phase, tier): bytes} summed over ranks, reset per step
-        out = {}
-        for (phase, tier), nbytes in totals.items():
-            out[f"comm/bytes/{tier}"] = out.get(f"comm/bytes/{tier}", 0) + nbytes
-            out[f"comm/bytes/phase/{phase}"] = out.get(f"comm/bytes/phase/{phase}", 0) + nbytes
-        self.comm_totals = {k: self.comm_totals.get(k, 0) + v for k, v in out.items()} \
-            if hasattr(self, "comm_totals") else dict(out)
-        return out
+        totals = ledger.sync(self.engine.comm)
+        ledger.reset()
+        metrics = ledger.metrics(totals)
+        for key, value in metrics.items():
+            self.comm_totals[key] = self.comm_totals.get(key, 0) + value
+        return metrics
 
     def comm_summary(self) -> str:
-        totals = getattr(self, "comm_totals", None)
-        if not totals:
+        tiers = [(k.split("/")[-1], v) for k, v in self.comm_totals.items() if k.count("/") == 2]
+        if not tiers:
             return ""
-        tiers = ", ".join(f"{k.split('/')[-1]} {format_bytes(v)}" for k, v in totals.items()
-                          if k.count("/") == 2)
-        return f"communication over {self.iteration} steps (all ranks): {tiers}"
+        steps = max(self.iteration - self.start_iteration, 1)
+        per_tier = ", ".join(f"{tier} {format_bytes(v / steps)}" for tier, v in tiers)
+        return f"communication per optimizer step (all ranks, ledger): {per_tier}"
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
+        if self.last_saved_iteration == self.iteration:
+            return
+        self.last_saved_iteration = self.iteration
         rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
         meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
         path = self.checkpointer.save(self.iteration, rank_state, meta)
@@ -194,7 +200,7 @@ class Trainer:
         self.engine.load_full_state(full)
         same_rank = self.runtime.rank if self.runtime.rank < meta["world_size"] else 0
         _set_rng_state(load_rank_state(step_dir, same_rank)["rng"])
-        self.iteration = meta["iteration"]
+        self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
         log_print(f"resumed from {step_dir} at step {self.iteration}", self.runtime.rank)
         return True

@@ -171,15 +171,16 @@ def test_fp16_loss_scale_trains_on_one_rank():
     assert out["loss_scale"] > 1 and losses[-1] < losses[0]
 
 
-def test_sharded_state_round_trip_one_rank():
+def test_checkpoint_state_round_trip_one_rank():
+    from megatron.checkpointing.param_slices import assemble
     engine = single_rank_engine(build_model(), accum=1)
     engine.forward_backward(make_batch(0, 0, 0))
     engine.optimizer_step(LR)
-    saved = copy.deepcopy(engine.sharded_state())
+    saved = assemble([copy.deepcopy(engine.checkpoint_state())])
     engine.forward_backward(make_batch(1, 0, 0))
     engine.optimizer_step(LR)
     after_two = engine.full_state_dict()
-    engine.load_sharded_state(saved)
+    engine.load_full_state(saved)
     engine.forward_backward(make_batch(1, 0, 0))
     engine.optimizer_step(LR)
     again = engine.full_state_dict()

@@ -25,20 +25,27 @@ def make_engine_state(pieces: list[dict], shapes: dict[str, tuple], step: int, e
 
 def assemble_full_state(step_dir: Path) -> dict:
     """Every parameter and both moments as full fp32 tensors, from all ranks' files of a step."""
-    meta = load_meta(step_dir)
-    world = meta["world_size"]
+    world = load_meta(step_dir)["world_size"]
+
+    def states():
+        for rank in range(world):
+            path = rank_file(step_dir, rank)
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing: the checkpoint in {step_dir} is incomplete")
+            yield torch.load(path, map_location="cpu", weights_only=False, mmap=True)["engine"]
+
+    return assemble(states(), str(step_dir))
+
+
+def assemble(states, where: str = "the checkpoint") -> dict:
+    """Full tensors from the engine states of every rank (an iterable of `make_engine_state` dicts)."""
     shapes: dict[str, list] | None = None
     full: dict[str, dict[str, torch.Tensor]] = {}
     covered: dict[str, torch.Tensor] = {}
-    step = None
-    extra = {}
-    for rank in range(world):
-        path = rank_file(step_dir, rank)
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing: the checkpoint in {step_dir} is incomplete")
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["engine"]
+    step, extra = None, {}
+    for state in states:
         if state.get("format") != FORMAT:
-            raise CheckpointError(f"{path} has format {state.get('format')!r}, expected {FORMAT}")
+            raise CheckpointError(f"{where} has format {state.get('format')!r}, expected {FORMAT}")
         if shapes is None:
             shapes, step = state["shapes"], state["step"]
             extra = {k: v for k, v in state.items() if k not in ("format", "step", "shapes", "pieces")}
@@ -54,12 +61,14 @@ def assemble_full_state(step_dir: Path) -> dict:
                 values = piece[key].float()
                 target = full[name][key][lo:hi]
                 if already.any() and not torch.equal(target[already], values[already]):
-                    raise CheckpointError(f"replicas disagree on {name}[{lo}:{hi}] ({key}) in {step_dir}")
+                    raise CheckpointError(f"replicas disagree on {name}[{lo}:{hi}] ({key}) in {where}")
                 target.copy_(values)
             covered[name][lo:hi] = True
+    if shapes is None:
+        raise CheckpointError(f"{where} holds no rank state")
     missing = [name for name, mask in covered.items() if not bool(mask.all())]
     if missing:
-        raise CheckpointError(f"checkpoint {step_dir} does not cover {missing[:3]}: it is incomplete")
+        raise CheckpointError(f"{where} does not cover {missing[:3]}: it is incomplete")
     return {"step": step, "shapes": shapes, **extra,
             "params": {n: full[n]["master"].view(shapes[n]) for n in full},
             "exp_avg": {n: full[n]["exp_avg"].view(shapes[n]) for n in full},

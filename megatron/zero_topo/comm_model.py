@@ -68,8 +68,9 @@ class CommSpec:
     """Evaluation micro-batches in this step's window (with their one eval-loss allreduce)."""
     loss_vector_len: int = 2
     """Elements of the trainer's float64 loss vector (loss sum, count)."""
-    ledger_vector_len: int = len(PHASES) * 3
-    """Elements of the ledger's float64 sync vector (phases x tiers counters)."""
+    ledger_vector_len: int = (len(PHASES) + 1) * 3
+    """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
+    tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
     quant: Mapping = field(default_factory=dict)
     """Extension point: {phase: PhaseQuant}; must be empty until quantization is modelled."""
 
@@ -150,9 +151,10 @@ def _validate(spec: CommSpec) -> None:
 # -- padding -------------------------------------------------------------------------------------
 
 def padding_quantum(spec: CommSpec) -> int:
-    """q: every unit buffer is padded to a multiple of q (os for ladder presets, N for zeropp)."""
+    """q: every unit buffer is padded to a multiple of N for every preset (engine.md): a multiple of
+    os, and the replica allreduce of an S/os slice then splits evenly over its N/os members."""
     # Quantization will multiply q by its block size here, so no block straddles a shard.
-    return spec.world_size if spec.is_zeropp else spec.resolved_factors()[2]
+    return spec.world_size
 
 
 def padded_unit_numels(spec: CommSpec) -> tuple:

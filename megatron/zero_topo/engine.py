@@ -303,20 +303,14 @@ class ZeroTopoEngine:
         Collective; its gathers are charged to the ``checkpoint`` phase."""
         return state_io.full_state_dict(self)
 
-    def sharded_state(self) -> dict:
-        return state_io.sharded_state(self)
-
-    def load_sharded_state(self, state: dict) -> None:
-        state_io.load_sharded_state(self, state)
-
     def load_full_state_dict(self, params: dict[str, torch.Tensor], optimizer: Optional[dict] = None) -> None:
         state_io.load_full_state_dict(self, params, optimizer)
 
     def checkpoint_state(self) -> dict:
-        return self.sharded_state()
+        return state_io.checkpoint_state(self)
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        self.load_sharded_state(state)
+    def load_full_state(self, full: dict) -> None:
+        state_io.load_full_state(self, full)
 
     def model_state_bytes(self) -> dict[str, int]:
         return state_io.model_state_bytes(self)

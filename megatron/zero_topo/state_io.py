@@ -1,5 +1,5 @@
-"""The engine's states in and out: full parameters by name, per-rank slices with their maps, and the
-bytes of model states held per rank.
+"""The engine's states in and out: full parameters by name, this rank's parameter pieces for
+checkpoints (megatron.checkpointing.param_slices), and the bytes of model states held per rank.
 
 Gathers made here are charged to the ledger phase ``checkpoint`` (outside the per-step model).
 Loading from full tensors is local (every rank cuts its own slices), so a checkpoint written with any
@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron.checkpointing.param_slices import check_shapes, make_engine_state
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit
 
 if TYPE_CHECKING:
     from megatron.zero_topo.engine import ZeroTopoEngine
-
-STATE_FORMAT = "zero_topo/1"
 
 
 @torch.no_grad()
@@ -46,42 +45,31 @@ def full_optimizer_state(engine: "ZeroTopoEngine") -> dict:
     return {"step": engine.step_count, **moments}
 
 
-def sharded_state(engine: "ZeroTopoEngine") -> dict:
-    """This rank's fp32 master and moments with the maps needed to reassemble them (no collective)."""
-    g = engine.groups
-    units = []
+def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
+    """This rank's fp32 master and moments as parameter pieces (megatron.checkpointing.param_slices);
+    no collective. Replicas write identical pieces; the loader checks they agree."""
+    pieces, shapes = [], {}
     for unit in engine.units:
-        units.append({
-            "padded_size": unit.size, "offset": unit.opt_range[0], "length": unit.opt_range[1] - unit.opt_range[0],
-            "layout": unit.layout(), "slices": unit.slice_map(),
-            "master": unit.master.clone(), "exp_avg": unit.exp_avg.clone(), "exp_avg_sq": unit.exp_avg_sq.clone(),
-        })
-    return {"format": STATE_FORMAT, "rank": g.rank, "world_size": g.world_size, "factors": list(g.factors.as_tuple()),
-            "replica": g.replica.index(g.rank), "preset": engine.preset, "step": engine.step_count,
-            "loss_scale": engine.loss_scale.state_dict(), "units": units}
+        shapes.update({name: shape for name, _offset, _numel, shape in unit.layout()})
+        pos = 0  # the pieces sit back to back from the slice's first element
+        for name, start, length in unit.slice_map():
+            pieces.append({"name": name, "offset": start, "length": length,
+                           **{key: getattr(unit, key)[pos:pos + length].detach().cpu().clone()
+                              for key in ("master", "exp_avg", "exp_avg_sq")}})
+            pos += length
+    return make_engine_state(pieces, shapes, engine.step_count,
+                             {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.groups.factors.as_tuple()),
+                              "preset": engine.preset})
 
 
-@torch.no_grad()
-def load_sharded_state(engine: "ZeroTopoEngine", state: dict) -> None:
-    """Load slices saved by the same layout (world size, factors, unit sizes); rebuilds weights."""
-    g = engine.groups
-    if state.get("format") != STATE_FORMAT:
-        raise EngineError(f"sharded state has format {state.get('format')!r}, expected {STATE_FORMAT}")
-    if state["world_size"] != g.world_size or list(state["factors"]) != list(g.factors.as_tuple()):
-        raise EngineError(f"sharded state was saved with {state['world_size']} ranks and factors {state['factors']}, "
-                          f"this run has {g.world_size} and {list(g.factors.as_tuple())}: load it through full tensors")
-    if len(state["units"]) != len(engine.units):
-        raise EngineError(f"sharded state has {len(state['units'])} units, the model has {len(engine.units)}")
-    for unit, saved in zip(engine.units, state["units"]):
-        if saved["padded_size"] != unit.size or saved["offset"] != unit.opt_range[0] or saved["layout"] != unit.layout():
-            raise EngineError(f"sharded state of unit {unit.index} does not match this model's layout")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(unit, key).copy_(saved[key])
-    engine.step_count = int(state["step"])
-    engine.loss_scale.load_state_dict(state["loss_scale"])
-    for unit in engine.units:
-        _reset_transient(unit)
-        engine._refresh(unit, "checkpoint")
+def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
+    """Load what `param_slices.assemble` rebuilt from a checkpoint of any layout."""
+    check_shapes(full["shapes"], {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
+                 "being loaded")
+    load_full_state_dict(engine, full["params"], {"step": full["step"], "exp_avg": full["exp_avg"],
+                                                  "exp_avg_sq": full["exp_avg_sq"]})
+    if full.get("loss_scaler"):
+        engine.loss_scale.load_state_dict(full["loss_scaler"])
 
 
 @torch.no_grad()
