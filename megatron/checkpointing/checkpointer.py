@@ -45,6 +45,9 @@ def committed_steps(save_dir: Path) -> list[int]:
         return []
     steps = []
     for entry in save_dir.iterdir():
+        if entry.name.endswith(".partial"):
+            warnings.warn(f"ignoring half-written checkpoint folder {entry} (a save was interrupted)")
+            continue
         match = STEP_DIR.match(entry.name)
         if not match:
             continue
@@ -58,13 +61,13 @@ def committed_steps(save_dir: Path) -> list[int]:
 def latest_step_dir(load_dir: str | os.PathLike) -> Path | None:
     """The step folder `latest` names, falling back to the newest committed one."""
     root = Path(load_dir)
+    steps = committed_steps(root)  # also warns about interrupted saves it skips
     pointer = root / "latest"
     if pointer.is_file():
         candidate = root / pointer.read_text().strip()
         if (candidate / META).is_file():
             return candidate
         warnings.warn(f"`latest` in {root} names {candidate.name}, which is incomplete; using the newest complete step")
-    steps = committed_steps(root)
     return root / f"global_step{steps[-1]}" if steps else None
 
 
