@@ -163,6 +163,7 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     outputs: dict[int, _RankOutput] = {}
+    forwarded = _forward_stop_signals(procs)
     try:
         for rank in range(world):
             proc = subprocess.Popen(list(command), env=local_rank_env(base, rank, world, addr, port, simulated),
@@ -180,6 +181,8 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     except OSError as err:
         _stop(procs, grace_s)
         raise ConfigError(f"cannot start {command[0]!r}: {err}") from None
+    finally:
+        _restore_signals(forwarded)
     if failed is not None:
         _stop(procs, grace_s)
     for rank, out in outputs.items():
@@ -191,6 +194,25 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     stopped = f"; stopped the other {others} rank{'s' if others != 1 else ''}" if others else ""
     print(f"deepy: rank {failed} {describe_exit(code)}{stopped}", file=errors, flush=True)
     return exit_code_of(code) or 1
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _forward_stop_signals(procs: list) -> dict:
+    """Slurm's warning signals reach deepy; pass them to every rank so they save and exit together."""
+    def forward(signum, frame):
+        for proc in procs:
+            if proc.poll() is None:
+                _signal_group(proc, signum)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+
+
+def _restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _wait_first_failure(procs: Sequence[subprocess.Popen], poll_s: float) -> Optional[int]:

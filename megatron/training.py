@@ -89,6 +89,7 @@ class Trainer:
         self.comm_totals: dict[str, int] = {}
         self.start_iteration = 0
         self.last_saved_iteration: int | None = None
+        self.stop_agreed = False
         self.last_train_loss: float | None = None
 
     # -- one optimizer step ------------------------------------------------------------------
@@ -100,7 +101,10 @@ class Trainer:
             batch = collate(self.train_data, indices, self.runtime.device)
             local_loss_sum += float(self.engine.forward_backward(batch))
         stats = self.engine.optimizer_step(lr)
-        loss_sum, count = self.engine.all_reduce_sum([local_loss_sum, float(self.batching.accumulation)])
+        # The stop flag rides with the loss: every rank learns of a signal any rank got, same step.
+        loss_sum, count, stops = self.engine.all_reduce_sum(
+            [local_loss_sum, float(self.batching.accumulation), float(self.stop.requested)])
+        self.stop_agreed = stops > 0
         self.iteration += 1
         self.consumed_samples += self.batching.global_batch
         return {"train/lm_loss": loss_sum / count, "train/learning_rate": lr,
@@ -147,7 +151,7 @@ class Trainer:
             factor = self.cfg.checkpoint.checkpoint_factor
             if factor and self.iteration % factor == 0:
                 self.save()
-            if self.stop.requested:
+            if self.stop_agreed:
                 log_print(f"stop signal received: saving at step {self.iteration} and exiting", self.runtime.rank)
                 break
         if self.checkpointer is not None:

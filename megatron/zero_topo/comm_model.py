@@ -66,8 +66,8 @@ class CommSpec:
     """Indices of units run under activation checkpointing (see ``transformer_block_units``)."""
     eval_forward_passes: int = 0
     """Evaluation micro-batches in this step's window (with their one eval-loss allreduce)."""
-    loss_vector_len: int = 2
-    """Elements of the trainer's float64 loss vector (loss sum, count)."""
+    loss_vector_len: int = 3
+    """Elements of the trainer's float64 step vector (loss sum, micro-batch count, stop flag)."""
     ledger_vector_len: int = (len(PHASES) + 1) * 3
     """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
     tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
@@ -291,9 +291,11 @@ def _control_collectives(spec: CommSpec) -> list:
 def _sent_bytes(op: str, k: int, nbytes: int) -> int:
     """Bytes one member sends in a ring collective over k ranks on a B-byte buffer.
 
-    B is a multiple of k under engine.md's padding except, possibly, the replica allreduce and
-    DDP's allreduce (padding q = os); there the floor of the exact share is charged.
+    Padding every unit to a multiple of N (and the control vectors too) makes B a multiple of k for
+    every collective; a B that is not means the model itself is wrong, so it refuses to round.
     """
+    if nbytes % k:
+        raise CommModelError(f"{op} of {nbytes} bytes over {k} ranks: the model's buffers must be multiples of k")
     if op in (ALLGATHER, REDUCE_SCATTER):
         return (k - 1) * nbytes // k
     if op == ALLREDUCE:
