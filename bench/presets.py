@@ -1,0 +1,106 @@
+"""Every sharding preset on the simulated topology, measured in one run: step time as a ratio to the
+single-process engine, and the ledger's bytes per optimizer step by tier next to the analytic
+model's prediction for the same run.
+
+    .venv/bin/python bench/presets.py                      # tiny-cpu.yml on 2x2x2, 12 steps each
+    .venv/bin/python bench/presets.py --layout sim-2x2 --steps 20 --markdown
+
+Step time is the median `runtime/iteration_time` over the steps after the first two (warm-up) from
+each run's metrics.jsonl; the baseline is the same model and global batch on one process, measured
+in the same invocation. Eval is off, so each step's window holds exactly one step's traffic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron.config import load_config  # noqa: E402
+from megatron.model.sizes import unit_parameter_counts  # noqa: E402
+from megatron.zero_topo.comm_model import CommSpec, predict_ledger, transformer_block_units  # noqa: E402
+
+PRESETS = {"ddp": "stage0", "zero1": "stage1", "zero2": "stage2", "zero3": "stage3", "hsdp": "hsdp",
+           "zeropp": "zeropp", "zero_topo": "zero_topo"}
+TIERS = ("intra_gpu", "intra_node", "inter_node")
+
+
+def run(config_files: list[str], sets: list[str], workdir: Path) -> list[dict]:
+    log_dir = workdir / "logs"
+    cmd = [sys.executable, str(REPO / "deepy.py"), "train.py", *config_files,
+           "--set", f"log_dir={log_dir}", "--set", "log_interval=1", "--set", "eval_iters=0",
+           "--set", "save=null", "--set", "checkpoint_factor=null", *sum((["--set", s] for s in sets), [])]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()
+            if "train/lm_loss" in line]
+
+
+def predicted_per_step(cfg_paths: list[str], sets: list[str], preset: str) -> dict[str, int]:
+    cfg = load_config(cfg_paths, sets, notices=[])
+    vocab = cfg.model.padded_vocab_size
+    if vocab is None:  # the demo tokenizer's vocab, padded (tokenizer.json is built by the first run)
+        from megatron.config import pad_vocab_size
+        from megatron.data import build_tokenizer
+        vocab = pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
+    units = unit_parameter_counts(cfg.model, vocab)
+    spec = CommSpec(units, tuple(cfg.topology.layout), preset=preset,
+                    micro_batches=cfg.training.gradient_accumulation_steps,
+                    compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
+                    checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
+    out = {t: 0 for t in TIERS}
+    for (_phase, tier), nbytes in predict_ledger(spec).items():
+        out[tier] += nbytes
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/tiny-cpu.yml")
+    p.add_argument("--layout", default="sim-2x2x2", help="configs/<layout>.yml")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args(argv)
+    base = [str(REPO / args.config)]
+    sets = [f"train_iters={args.steps}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        def median_time(records):
+            times = [r["runtime/iteration_time"] for r in records[2:]] or [r["runtime/iteration_time"] for r in records]
+            return statistics.median(times)
+
+        baseline = median_time(run(base, sets, Path(tmp) / "single"))
+        rows = []
+        for name in args.presets:
+            files = base + [str(REPO / f"configs/{args.layout}.yml"), str(REPO / f"configs/{name}.yml")]
+            records = run(files, sets, Path(tmp) / name)
+            measured = {t: statistics.median(r[f"comm/bytes/{t}"] for r in records[1:]) for t in TIERS}
+            predicted = predicted_per_step(files, sets, PRESETS[name])
+            step = median_time(records)
+            rows.append([name, f"{step * 1000:.0f}", f"{step / baseline:.2f}"]
+                        + [f"{measured[t]:,.0f}" + ("" if measured[t] == predicted[t] else f" (model {predicted[t]:,})")
+                           for t in TIERS])
+    header = ["preset", "step ms", "x single", *(f"{t} B/step" for t in TIERS)]
+    print(f"{args.config} on {args.layout}, {args.steps} steps; single-process step {baseline * 1000:.0f} ms "
+          "(same global batch); bytes are all ranks' sends per optimizer step (ledger; equal to the model "
+          "unless a model value is shown)")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        for row in [header] + rows:
+            print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
