@@ -15,21 +15,23 @@ LAYOUT = (2, 2, 2)
 BLOCKS = frozenset({1, 2})
 
 # Control collectives, every preset, N = 8 (allreduce: each rank sends 2 x 7/8 x B):
-#   grad norm: 8 fp32 = 32 B -> 56 per rank; loss: 2 -> 8 float64 = 64 B -> 112;
-#   ledger: 27 -> 32 float64 = 256 B -> 448.  Per rank 56 + 112 + 448 = 616 on the world ring:
+#   grad norm: 8 fp32 = 32 B -> 56 per rank; step vector (loss sum, count, stop flag): 3 -> 8 float64
+#   = 64 B -> 112;
+#   ledger: 30 counters (10 phases x 3 tiers) -> 32 float64 = 256 B -> 448.
+#   Per rank 56 + 112 + 448 = 616 on the world ring:
 #   intra_gpu 4 x 616 = 2464, intra_node 2 x 616 = 1232, inter_node 2 x 616 = 1232.
 CONTROL = {("control", "intra_gpu"): 2464, ("control", "intra_node"): 1232, ("control", "inter_node"): 1232}
 
-# Padded sizes: q = 8 (os = N, or zeropp) gives S = 104, 240, 240, 96 (sum 680);
-# q = 1 (stage 0) or q = 4 (hsdp) leaves S = 100, 240, 240, 96 (sum 676).
-# A world allgather/reduce-scatter of the full fp32 unit with q = 8: 7/8 x 4S per rank
+# Padded sizes: q = N = 8 for every preset gives S = 104, 240, 240, 96 (sum 680).
+# A world allgather/reduce-scatter of the full fp32 unit: 7/8 x 4S per rank
 #   = 364 + 840 + 840 + 336 = 2380 per rank; world ring -> gpu 4 x, node 2 x, inter 2 x.
 
 EXPECTED = {
     # stage 0 (1,1,1): only the replica allreduce over the world of the fp32 S, per unit
-    #   2 x 7/8 x (400, 960, 960, 384) = 700 + 1680 + 1680 + 672 = 4732 per rank.
-    "stage0": {("replica_allreduce", "intra_gpu"): 4 * 4732, ("replica_allreduce", "intra_node"): 2 * 4732,
-               ("replica_allreduce", "inter_node"): 2 * 4732},
+    #   2 x 7/8 x (416, 960, 960, 384) = 728 + 1680 + 1680 + 672 = 4760 per rank;
+    #   world ring: 4 x 4760 = 19040 intra_gpu, 2 x 4760 = 9520 intra_node and inter_node.
+    "stage0": {("replica_allreduce", "intra_gpu"): 19040, ("replica_allreduce", "intra_node"): 9520,
+               ("replica_allreduce", "inter_node"): 9520},
     # stage 1 (1,1,8): cross reduce-scatter over the world (2380 per rank) and the refresh allgather
     #   over the world (2380 per rank), once per step.
     "stage1": {("cross_grad_reduce", "intra_gpu"): 9520, ("cross_grad_reduce", "intra_node"): 4760,
@@ -45,12 +47,12 @@ EXPECTED = {
     "stage3": {(phase, tier): nbytes for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
                for tier, nbytes in (("intra_gpu", 19040), ("intra_node", 9520), ("inter_node", 9520))},
     # hsdp (4,4,4): weight groups {0..3} {4..7}, ring 0-1 gpu, 1-2 node, 2-3 gpu, 3-0 node (4 + 4 hops).
-    #   Gather/reduce-scatter of 4S: 3/4 x (400, 960, 960, 384) = 300 + 720 + 720 + 288 = 2028 per rank
-    #   per micro-batch, x 2 = 4056 -> 4 x 4056 = 16224 per tier. Replica groups {r, r+4}: allreduce of
-    #   S/4 fp32 = S bytes, 2 x 1/2 x S = 676 per rank, both hops inter_node: 8 x 676 = 5408.
-    "hsdp": {**{(phase, tier): 16224 for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
+    #   Gather/reduce-scatter of 4S: 3/4 x (416, 960, 960, 384) = 312 + 720 + 720 + 288 = 2040 per rank
+    #   per micro-batch, x 2 = 4080 -> 4 x 4080 = 16320 per tier. Replica groups {r, r+4}: allreduce of
+    #   S/4 fp32 = S = 680 bytes, 2 x 1/2 x 680 = 680 per rank, both hops inter_node: 8 x 680 = 5440.
+    "hsdp": {**{(phase, tier): 16320 for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
                 for tier in ("intra_gpu", "intra_node")},
-             ("replica_allreduce", "inter_node"): 5408},
+             ("replica_allreduce", "inter_node"): 5440},
     # zero_topo (2,4,8): weight pairs (intra_gpu): gather of 4S, 1/2 -> 2S = 1360 per micro-batch,
     #   x 2 = 2720 per rank, x 8 ranks = 21760 for fwd, bwd and the weight reduce-scatter.
     #   Stride pairs {0,2} {1,3} {4,6} {5,7} (intra_node): reduce-scatter of S/2 fp32 = 2S bytes -> S =
@@ -99,7 +101,7 @@ def test_zero_topo_bf16_checkpointing_eval_fp32_allreduce():
         # refresh in bf16: cross gather to S/4 (S/2 bytes) -> 170 x 8 = 1360;
         #   stride gather to S/2 (S bytes) -> 340 x 8 = 2720.
         ("refresh", "inter_node"): 1360, ("refresh", "intra_node"): 2720,
-        # control plus the eval-loss allreduce (112 per rank): 728 per rank on the world ring.
+        # control plus the eval-loss allreduce (2 -> 8 float64 = 64 B -> 112 per rank): 728 per rank.
         ("control", "intra_gpu"): 4 * 728, ("control", "intra_node"): 2 * 728, ("control", "inter_node"): 2 * 728,
     }
     assert predict_ledger(spec) == expected
@@ -126,13 +128,13 @@ def test_zeropp_eval_takes_the_world_gather():
 
 def test_hsdp_per_rank_follows_ring_order():
     # Weight group {0,1,2,3}: rank 0 sends to 1 (intra_gpu), rank 1 to 2 (intra_node), rank 3 to 0
-    # (intra_node); 4056 per rank per gather phase (see EXPECTED["hsdp"]). Replica: 676 inter_node.
+    # (intra_node); 4080 per rank per gather phase (see EXPECTED["hsdp"]). Replica: 680 inter_node.
     per_rank = predict_ledger_per_rank(CommSpec(UNITS, LAYOUT, preset="hsdp", micro_batches=2))
-    assert per_rank[0][("fwd_gather", "intra_gpu")] == 4056
+    assert per_rank[0][("fwd_gather", "intra_gpu")] == 4080
     assert ("fwd_gather", "intra_node") not in per_rank[0]
-    assert per_rank[1][("fwd_gather", "intra_node")] == 4056
-    assert per_rank[3][("grad_reduce", "intra_node")] == 4056
-    assert per_rank[5][("replica_allreduce", "inter_node")] == 676
+    assert per_rank[1][("fwd_gather", "intra_node")] == 4080
+    assert per_rank[3][("grad_reduce", "intra_node")] == 4080
+    assert per_rank[5][("replica_allreduce", "inter_node")] == 680
     # control on the world ring: rank 3 -> 4 and rank 7 -> 0 cross nodes, 616 each
     assert per_rank[3][("control", "inter_node")] == 616
     assert ("control", "inter_node") not in per_rank[2]
@@ -143,13 +145,22 @@ def test_two_tier_zero_topo():
     # Weight pairs {0,1} {2,3} are intra_node: gather of 4S, 1/2 -> 2S = 1352 per rank, x 4 ranks = 5408
     # per phase; stride groups have one member. Cross pairs {0,2} {1,3}: reduce-scatter of S/2 fp32 =
     # 2S bytes -> S = 676 per rank -> 2704 inter_node; refresh the same. Control, N = 4: grad norm 16 B
-    # -> 2 x 3/4 x 16 = 24; loss 4 float64 = 32 B -> 48; ledger 28 float64 = 224 B -> 336; 408 per
-    # rank; world ring 0-1 node, 1-2 inter, 2-3 node, 3-0 inter -> 816 each.
+    # -> 2 x 3/4 x 16 = 24; step vector 3 -> 4 float64 = 32 B -> 48; ledger 30 -> 32 float64 = 256 B -> 384;
+    # 456 per rank; world ring 0-1 node, 1-2 inter, 2-3 node, 3-0 inter -> 2 x 456 = 912 each.
     spec = CommSpec(UNITS, (2, 2), preset="zero_topo")
     assert predict_ledger(spec) == {
         ("fwd_gather", "intra_node"): 5408, ("bwd_gather", "intra_node"): 5408, ("grad_reduce", "intra_node"): 5408,
         ("cross_grad_reduce", "inter_node"): 2704, ("refresh", "inter_node"): 2704,
-        ("control", "intra_node"): 816, ("control", "inter_node"): 816}
+        ("control", "intra_node"): 912, ("control", "inter_node"): 912}
+
+
+def test_two_ranks_eval_loss_vector_is_not_the_step_vector():
+    # 1 node x 2 ranks (both intra_node), stage 0, one unit of 2 elements (S = 2), fp32, A = 1, one eval.
+    # Each allreduce over 2 ranks sends 2 x 1/2 x B = B per rank. Replica allreduce of S fp32 = 8 B.
+    # Control: grad norm 2 fp32 = 8 B; step vector 3 -> 4 float64 = 32 B; ledger 30 float64 = 240 B;
+    # eval vector 2 float64 = 16 B (not padded to the step vector's 4): 8 + 32 + 240 + 16 = 296 per rank.
+    spec = CommSpec((2,), (1, 2), preset="stage0", eval_forward_passes=1)
+    assert predict_ledger(spec) == {("replica_allreduce", "intra_node"): 16, ("control", "intra_node"): 592}
 
 
 @pytest.mark.parametrize("preset", ["stage0", "stage2", "hsdp", "zero_topo", "zeropp"])

@@ -7,19 +7,19 @@ from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state
 UNITS = (100, 240, 240, 96)
 LAYOUT = (2, 2, 2)
 
-# Per rank, fp32 (c = 4). S sums: 680 when q = 8 (stage 1-3, zero_topo, zeropp), 676 when q = 1 or 4.
+# Per rank, fp32 (c = 4). Every preset pads to q = N = 8: S = 104, 240, 240, 96, sum 680.
 # weights S/w x 4, grad accumulator S/g x 4, master S/os x 4, moments 2 x S/os x 4.
 EXPECTED = {
-    # (1,1,1): 676 x 4 = 2704 for weights, grads and master; moments 5408; total 13520
-    "stage0": dict(weights=2704, zeropp_secondary=0, grad_accumulator=2704, master=2704, moments=5408, total=13520),
+    # (1,1,1): 680 x 4 = 2720 for weights, grads and master; moments 5440; total 3 x 2720 + 5440 = 13600
+    "stage0": dict(weights=2720, zeropp_secondary=0, grad_accumulator=2720, master=2720, moments=5440, total=13600),
     # (1,1,8): weights 680 x 4 = 2720, grads 2720, master 85 x 4 = 340, moments 680; total 6460
     "stage1": dict(weights=2720, zeropp_secondary=0, grad_accumulator=2720, master=340, moments=680, total=6460),
     # (1,8,8): weights 2720, grads 340, master 340, moments 680; total 4080
     "stage2": dict(weights=2720, zeropp_secondary=0, grad_accumulator=340, master=340, moments=680, total=4080),
     # (8,8,8): 85 x 4 = 340 each, moments 680; total 1700
     "stage3": dict(weights=340, zeropp_secondary=0, grad_accumulator=340, master=340, moments=680, total=1700),
-    # (4,4,4), S = 676: 169 x 4 = 676 each, moments 1352; total 3380
-    "hsdp": dict(weights=676, zeropp_secondary=0, grad_accumulator=676, master=676, moments=1352, total=3380),
+    # (4,4,4): S/4 = 26 + 60 + 60 + 24 = 170 -> 170 x 4 = 680 each, moments 1360; total 3 x 680 + 1360 = 3400
+    "hsdp": dict(weights=680, zeropp_secondary=0, grad_accumulator=680, master=680, moments=1360, total=3400),
     # (2,4,8): weights 340 x 4 = 1360, grads 170 x 4 = 680, master 85 x 4 = 340, moments 680; total 3060
     "zero_topo": dict(weights=1360, zeropp_secondary=0, grad_accumulator=680, master=340, moments=680, total=3060),
     # zeropp: everything over N = 8 (340), secondary S/R = 170 x 4 = 680; total 340 x 3 + 680 + 680 = 2380

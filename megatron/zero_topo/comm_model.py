@@ -68,6 +68,8 @@ class CommSpec:
     """Evaluation micro-batches in this step's window (with their one eval-loss allreduce)."""
     loss_vector_len: int = 3
     """Elements of the trainer's float64 step vector (loss sum, micro-batch count, stop flag)."""
+    eval_loss_vector_len: int = 2
+    """Elements of the evaluation's float64 loss vector (loss sum, count), one per eval window."""
     ledger_vector_len: int = (len(PHASES) + 1) * 3
     """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
     tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
@@ -142,8 +144,8 @@ def _validate(spec: CommSpec) -> None:
         raise CommModelError(f"compute_bytes must be 2 or 4; got {spec.compute_bytes}")
     if not spec.checkpointed_units <= set(range(len(spec.unit_numels))):
         raise CommModelError(f"checkpointed_units {sorted(spec.checkpointed_units)} name units that do not exist")
-    if spec.loss_vector_len < 1 or spec.ledger_vector_len < 1:
-        raise CommModelError("loss_vector_len and ledger_vector_len must be >= 1")
+    if min(spec.loss_vector_len, spec.eval_loss_vector_len, spec.ledger_vector_len) < 1:
+        raise CommModelError("loss_vector_len, eval_loss_vector_len and ledger_vector_len must be >= 1")
     if spec.quant:
         raise CommModelError(f"quantized phases ({', '.join(sorted(spec.quant))}) are not modelled yet")
 
@@ -282,7 +284,7 @@ def _control_collectives(spec: CommSpec) -> list:
            Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),
            Collective("control", ALLREDUCE, "world", _round_up(spec.ledger_vector_len, n), FP64_BYTES)]
     if spec.eval_forward_passes:  # the evaluation's own loss allreduce
-        out.append(Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES))
+        out.append(Collective("control", ALLREDUCE, "world", _round_up(spec.eval_loss_vector_len, n), FP64_BYTES))
     return out
 
 
