@@ -112,10 +112,9 @@ class Trainer:
 
     def evaluate(self) -> dict:
         loss_sum = 0.0
+        # The same first validation samples every time, so evaluations compare like with like.
         for step in range(self.cfg.training.eval_iters):
-            indices = self.batching.micro_indices(0, 0)
-            indices = range(indices.start + step * self.batching.micro_batch * self.batching.world_size,
-                            indices.stop + step * self.batching.micro_batch * self.batching.world_size)
+            indices = self.batching.micro_indices(0, step)
             loss_sum += float(self.engine.eval_loss(collate(self.valid_data, indices, self.runtime.device)))
         total, count = self.engine.all_reduce_sum([loss_sum, float(self.cfg.training.eval_iters)])
         loss = total / count
