@@ -185,10 +185,14 @@ class Trainer:
         self.last_saved_iteration = self.iteration
         rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
         meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
+        start = time.perf_counter()
         path = self.checkpointer.save(self.iteration, rank_state, meta)
-        log_print(f"saved checkpoint {path}", self.runtime.rank)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)",
+                  self.runtime.rank)
 
     def resume(self, load_dir: str) -> bool:
+        start = time.perf_counter()
         step_dir = latest_step_dir(load_dir)
         if step_dir is None:
             log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
@@ -205,7 +209,8 @@ class Trainer:
         _set_rng_state(load_rank_state(step_dir, same_rank)["rng"])
         self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
-        log_print(f"resumed from {step_dir} at step {self.iteration}", self.runtime.rank)
+        log_print(f"resumed from {step_dir} at step {self.iteration} ({time.perf_counter() - start:.2f} s)",
+                  self.runtime.rank)
         return True
 
 
