@@ -4,9 +4,12 @@ Default: GPT-NeoX 20B (44 layers, hidden 6144, 64 heads, vocab 50,432, untied) o
 (layout 48 x 4 x 2 = 384 GCDs), bf16, gradient accumulation 1 and 8, for zero3, zeropp, hsdp and
 zero_topo. Bytes per rank are the ledger's world sum divided by N (ring hops that cross a node
 boundary are few and land on few ranks; the average is what the NICs of a node carry per GCD).
+``--quantized`` adds the quantized variants (engine.md, "Quantized collectives"; block 2048):
+zero_topo-q (INT8 weight gathers, INT4 gradient hops, INT4 cross-node gradients, INT8 refresh) and
+zeropp-q (ZeRO++ qwZ + qgZ: INT8 weight gathers and secondary copy, INT4 two-hop gradients).
 
     .venv/bin/python bench/comm_volume.py                 # the default table
-    .venv/bin/python bench/comm_volume.py --markdown      # the same as markdown (docs/communication.md)
+    .venv/bin/python bench/comm_volume.py --markdown --quantized   # docs/communication.md
     .venv/bin/python bench/comm_volume.py --layers 2 --hidden 128 --heads 4 --vocab 512 --layout 2 2 2
 """
 from __future__ import annotations
@@ -19,11 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.zero_topo.comm_model import (  # noqa: E402
-    FRONTIER, PHASES, CommSpec, predict_ledger, simulate_step_time, transformer_block_units)
+    FRONTIER, PHASES, CommSpec, QuantSpec, predict_ledger, simulate_step_time, transformer_block_units)
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
 
 LABELS = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}
 ALIASES = {label: preset for preset, label in LABELS.items()}
+# Quantized variants: label -> (preset, DeepSpeed-style switches; bits follow engine.md's defaults).
+QUANTIZED = {"zero_topo-q": ("zero_topo", dict(quantized_weights=True, quantized_gradients=True)),
+             "zeropp-q": ("zeropp", dict(quantized_weights=True, quantized_gradients=True))}
 GB = 1e9
 
 
@@ -40,7 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype-bytes", type=int, default=2, choices=(2, 4))
     p.add_argument("--fp32-allreduce", action="store_true")
     p.add_argument("--checkpoint-activations", action="store_true")
-    p.add_argument("--presets", nargs="+", default=["zero3", "zeropp", "hsdp", "zero_topo"])
+    p.add_argument("--presets", nargs="+", default=["zero3", "zeropp", "hsdp", "zero_topo"],
+                   help=f"presets or quantized variants ({', '.join(QUANTIZED)})")
+    p.add_argument("--quantized", action="store_true", help="append the quantized variants to --presets")
+    p.add_argument("--block-size", type=int, default=2048, help="quantization block of the quantized variants")
+    p.add_argument("--error-feedback", action="store_true", help="quantized variants keep error-feedback residuals")
     p.add_argument("--tokens-per-micro-batch", type=int, default=2048, help="per rank, for the step time")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     return p.parse_args(argv)
@@ -70,11 +80,14 @@ def main(argv=None) -> None:
     print(f"layout {' x '.join(map(str, layout))} = {n} ranks; compute dtype {args.dtype_bytes} bytes; "
           f"bytes per rank = all ranks' bytes / {n}; 'x P' = bytes per rank / parameter count\n")
     summary = []
-    for label in args.presets:
-        preset = ALIASES.get(label, label)
+    labels = args.presets + ([q for q in QUANTIZED if q not in args.presets] if args.quantized else [])
+    for label in labels:
+        preset, switches = QUANTIZED.get(label, (ALIASES.get(label, label), None))
+        quant = (QuantSpec.from_settings(**switches, block_size=args.block_size, error_feedback=args.error_feedback)
+                 if switches else QuantSpec())
         for a in args.micro_batches:
             spec = CommSpec(units, layout, preset=preset, micro_batches=a, compute_bytes=args.dtype_bytes,
-                            fp32_allreduce=args.fp32_allreduce,
+                            fp32_allreduce=args.fp32_allreduce, quant=quant,
                             checkpointed_units=transformer_block_units(len(units)) if args.checkpoint_activations
                             else frozenset())
             ledger = predict_ledger(spec)
@@ -87,7 +100,7 @@ def main(argv=None) -> None:
             totals = [sum(ledger.get((p, t), 0) for p in PHASES) / n for t in tiers]
             rows.append(["total"] + [f"{b / GB:.3f}" for b in totals])
             rows.append(["x P"] + [f"{b / params:.4f}" for b in totals])
-            name = LABELS.get(preset, preset)
+            name = label if switches else LABELS.get(preset, preset)
             heading(f"{name}, gradient accumulation {a}: GB per rank per optimizer step", args.markdown)
             print(table(["phase"] + tiers, rows, args.markdown) + "\n")
             memory = predict_model_state_bytes(spec)["per_rank"]["total"]

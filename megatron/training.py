@@ -148,10 +148,11 @@ class Trainer:
                 log_print(f"validation at step {self.iteration} | loss {valid['validation/lm_loss']:.4f} "
                           f"| ppl {valid['validation/lm_loss_ppl']:.2f}", self.runtime.rank)
             factor = self.cfg.checkpoint.checkpoint_factor
-            if factor and self.iteration % factor == 0:
+            if factor and self.checkpointer is not None and self.iteration % factor == 0:
                 self.save()
             if self.stop_agreed:
-                log_print(f"stop signal received: saving at step {self.iteration} and exiting", self.runtime.rank)
+                log_print(f"stop signal received at step {self.iteration}: "
+                          f"{'saving and ' if self.checkpointer else ''}exiting", self.runtime.rank)
                 break
         if self.checkpointer is not None:
             self.save()

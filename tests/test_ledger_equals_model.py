@@ -10,7 +10,9 @@ what it measured with ``predict_ledger`` / ``predict_ledger_per_rank`` / ``predi
   2x2 (4 ranks), at gradient accumulation 1 and 2, with and without activation checkpointing;
 - bf16 (compute_bytes 2), with and without fp32 step-boundary hops (fp32_allreduce);
 - evaluation passes in a window: the trainer evaluates after a step's ledger sync, so the eval
-  gathers and the eval-loss allreduce land in the *next* step's window.
+  gathers and the eval-loss allreduce land in the *next* step's window;
+- quantized collectives (zero_topo all-quantized, zeropp qwZ + qgZ, stage 3 INT8 weights), with and
+  without error feedback, on a small block so padding to N x b and whole-block chunks are exercised.
 
 Unit sizes for the model are the unpadded counts of ``megatron.model.unit_parameter_counts``; the
 model is shaped so that no unit is a multiple of 8 (padding is exercised on every unit at N = 8).
@@ -28,9 +30,10 @@ from megatron.engine import lm_loss
 from megatron.model import GPTNeoX, unit_parameter_counts
 from megatron.topology import ProcessGroups, Topology, preset_factors, validate_factors
 from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.comm_model import (CommSpec, padded_unit_numels, predict_ledger, predict_ledger_per_rank,
-                                           transformer_block_units)
+from megatron.zero_topo.comm_model import (CommSpec, QuantSpec, padded_unit_numels, predict_ledger,
+                                           predict_ledger_per_rank, transformer_block_units)
 from megatron.zero_topo.memory_model import predict_model_state_bytes
+from megatron.zero_topo.quantized import QuantSettings
 from test_engine import LR, OPT
 
 # A model whose units are 420, 1509 and 444 elements: none a multiple of 8, the block none of 4.
@@ -40,7 +43,7 @@ MODEL_FIELDS = dict(num_layers=2, hidden_size=12, num_attention_heads=2, seq_len
 LAYOUTS = {"eight": (2, 2, 2), "four": (2, 2)}
 # Engine category (megatron/zero_topo/state_io.py) -> memory-model category (memory_model.py).
 MEMORY_CATEGORIES = {"weights": "weights", "secondary": "zeropp_secondary", "grad_accum": "grad_accumulator",
-                     "master": "master", "moments": "moments"}
+                     "master": "master", "moments": "moments", "error_feedback": "error_feedback"}
 
 
 def model_config(checkpoint_activations: bool = False) -> ModelConfig:
@@ -50,9 +53,11 @@ def model_config(checkpoint_activations: bool = False) -> ModelConfig:
 # ------------------------------------------------------------------------------------------ the cases
 
 def _case(name: str, *, preset: str | None = None, factors: tuple | None = None, accum: int = 1,
-          checkpoint: bool = False, precision: str = "fp32", fp32_allreduce: bool = False, eval_iters: int = 0) -> dict:
+          checkpoint: bool = False, precision: str = "fp32", fp32_allreduce: bool = False, eval_iters: int = 0,
+          quant: tuple | None = None) -> dict:
+    """``quant``: (weight, grad, cross, refresh bits, block, error feedback), or None for none."""
     return dict(name=name, preset=preset, factors=factors, accum=accum, checkpoint=checkpoint, precision=precision,
-                fp32_allreduce=fp32_allreduce, eval_iters=eval_iters)
+                fp32_allreduce=fp32_allreduce, eval_iters=eval_iters, quant=quant)
 
 
 def _cases(presets: list, factor_sets: list, extras: list) -> list[dict]:
@@ -65,6 +70,22 @@ def _cases(presets: list, factor_sets: list, extras: list) -> list[dict]:
 
 
 PRESETS = ["stage0", "stage1", "stage2", "stage3", "hsdp", "zeropp", "zero_topo"]
+# (weight, grad, cross, refresh bits, block, error feedback); block 8 keeps units several blocks long.
+ALL_Q, ALL_Q_EF = (8, 4, 4, 8, 8, False), (8, 4, 4, 8, 8, True)
+WEIGHTS_Q = (8, 0, 0, 0, 8, False)
+QUANT_CASES = [
+    _case("q-zero_topo-A1", preset="zero_topo", quant=ALL_Q),
+    _case("q-zero_topo-ef-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, quant=ALL_Q_EF),
+    _case("q-zeropp-A2", preset="zeropp", accum=2, quant=ALL_Q),
+    _case("q-zeropp-ef-A1", preset="zeropp", quant=ALL_Q_EF),
+    _case("q-stage3-w8-A1", preset="stage3", quant=WEIGHTS_Q),
+    _case("q-stage3-w8-ef-bf16-A2", preset="stage3", accum=2, precision="bfloat16", quant=(8, 0, 0, 0, 8, True)),
+    _case("q-zero_topo-ef-bf16-eval1-A2", preset="zero_topo", accum=2, precision="bfloat16", eval_iters=1,
+          quant=ALL_Q_EF),
+    # stage 1: the weight and stride groups have one rank, so the only quantized hop is the cross one
+    _case("q-stage1-ef-A2", preset="stage1", accum=2, quant=ALL_Q_EF),
+    _case("q-hsdp-ef-A1-ckpt", preset="hsdp", checkpoint=True, quant=ALL_Q_EF),
+]
 CASES = {
     "eight": _cases(PRESETS, [(2, 4, 8), (1, 2, 4)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
@@ -76,6 +97,7 @@ CASES = {
         _case("stage3-eval1-A1-ckpt", preset="stage3", checkpoint=True, eval_iters=1),
         _case("stage0-eval1-A1", preset="stage0", eval_iters=1),
         _case("hsdp-bf16-eval2-A2", preset="hsdp", accum=2, precision="bfloat16", eval_iters=2),
+        *QUANT_CASES,
     ]),
     "four": _cases(PRESETS, [(1, 2, 4), (1, 2, 2)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
@@ -83,6 +105,7 @@ CASES = {
         _case("zeropp-eval2-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, eval_iters=2),
         _case("zero_topo-eval1-A2", preset="zero_topo", accum=2, eval_iters=1),
         _case("f1-2-2-eval2-A1", factors=(1, 2, 2), eval_iters=2),
+        *QUANT_CASES,
     ]),
 }
 
@@ -133,8 +156,13 @@ def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict)
     groups = groups_by_factors[key]
     torch.manual_seed(SEED)
     model = GPTNeoX(model_config(case["checkpoint"]), VOCAB)
+    quant = None
+    if case["quant"]:
+        weight, grad, cross, refresh, block, feedback = case["quant"]
+        quant = QuantSettings(weight_bits=weight, grad_bits=grad, cross_bits=cross, refresh_bits=refresh, block=block,
+                              error_feedback=feedback, impl="reference")
     engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, case["precision"], groups, Communicator(groups),
-                            case["accum"], preset=case["preset"], fp32_allreduce=case["fp32_allreduce"])
+                            case["accum"], preset=case["preset"], fp32_allreduce=case["fp32_allreduce"], quant=quant)
     engine.ledger.reset()
     first = _train_step(engine, rank, 0, case["accum"])
     windows = [_close_window(engine)]
@@ -175,7 +203,8 @@ def launches(tmp_path_factory):
 def spec_for(layout_key: str, case: dict, window: int) -> CommSpec:
     """The model's description of window ``window`` (0: first step; 1: eval + second step)."""
     units = unit_parameter_counts(model_config(), VOCAB)
-    return CommSpec(units, LAYOUTS[layout_key], preset=case["preset"], factors=case["factors"],
+    quant = QuantSpec(*case["quant"]) if case["quant"] else QuantSpec()
+    return CommSpec(units, LAYOUTS[layout_key], preset=case["preset"], factors=case["factors"], quant=quant,
                     micro_batches=case["accum"], compute_bytes=2 if case["precision"] == "bfloat16" else 4,
                     fp32_allreduce=case["fp32_allreduce"],
                     checkpointed_units=transformer_block_units(len(units)) if case["checkpoint"] else frozenset(),
@@ -197,11 +226,11 @@ def test_unit_sizes_agree(launches, layout_key):
     results = launches(layout_key)
     units = unit_parameter_counts(model_config(), VOCAB)
     assert all(p % 8 for p in units)  # padding is exercised on every unit at N = 8
-    spec = spec_for(layout_key, CASES[layout_key][0], 0)
     for rank_result in results:
-        for run in rank_result.values():
+        for name, run in rank_result.items():
+            case = next(c for c in CASES[layout_key] if c["name"] == name)
             assert run["unit_numels"] == units
-            assert tuple(run["unit_sizes"]) == padded_unit_numels(spec)
+            assert tuple(run["unit_sizes"]) == padded_unit_numels(spec_for(layout_key, case, 0)), name
 
 
 @pytest.mark.parametrize("layout_key, case", ALL_CASES)
@@ -223,7 +252,9 @@ def test_ledger_equals_model(launches, layout_key, case):
 
 
 def _as_model_categories(measured: dict) -> dict:
-    assert set(measured) == set(MEMORY_CATEGORIES), f"unexpected engine state categories {sorted(measured)}"
+    # error_feedback is reported (by both sides) only when residuals are kept
+    assert set(MEMORY_CATEGORIES) - {"error_feedback"} <= set(measured) <= set(MEMORY_CATEGORIES), \
+        f"unexpected engine state categories {sorted(measured)}"
     out = {MEMORY_CATEGORIES[cat]: nbytes for cat, nbytes in measured.items()}
     out["total"] = sum(measured.values())
     return out

@@ -167,6 +167,16 @@ class ZeroConfig:
                                        key="zero_optimization.quantization_block_size", ge=1)
     quantization_error_feedback: bool = doc(False, "Keep each quantized reduction hop's local residual and add it next step (error feedback).",
                                             key="zero_optimization.quantization_error_feedback")
+    weight_gather_bits: Optional[int] = doc(None, "Bits of the weight gathers (forward, backward, recompute, eval): 8 = INT8 blocks, 0 = compute dtype; None = 8 when zero_quantized_weights, else 0.",
+                                            key="zero_optimization.weight_gather_bits", choices=(0, 8))
+    grad_reduce_bits: Optional[int] = doc(None, "Bits of the micro-step gradient reductions (all-to-all hops): 4 = packed INT4, 8 = INT8, 0 = compute dtype; None = 4 when zero_quantized_gradients, else 0.",
+                                          key="zero_optimization.grad_reduce_bits", choices=(0, 4, 8))
+    cross_node_grad_bits: Optional[int] = doc(None, "Bits of the step-boundary gradient reduction across the cross group (0, 4 or 8); None = grad_reduce_bits.",
+                                              key="zero_optimization.cross_node_grad_bits", choices=(0, 4, 8))
+    refresh_bits: Optional[int] = doc(None, "Bits of the refresh's cross-group allgather of the updated slices: 8 = INT8, 0 = compute dtype; None = 8 when zero_quantized_weights or zero_quantized_refresh, else 0.",
+                                      key="zero_optimization.refresh_bits", choices=(0, 8))
+    quantization_impl: str = doc("auto", "Quantization kernels: auto (triton on GPUs, C++ on CPU), reference (plain torch), cpp or triton; one that cannot run here falls back to reference with a notice.",
+                                 key="zero_optimization.quantization_impl", choices=("auto", "reference", "cpp", "triton"))
     resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
                                            key="zero_optimization.resolved_factors", derived=True)
     resolved_preset: Optional[str] = doc(None, "Derived: what the factors are called: ddp, zero1, zero2, zero3, hsdp, zeropp, zero_topo or custom.",

@@ -117,12 +117,14 @@ def group_ranks(kind: str, rank: int, world_size: int, factors: ShardFactors, ra
     if kind == "node":
         base = (rank // ranks_per_node) * ranks_per_node
         return tuple(range(base, base + ranks_per_node))
+    if kind == "rail":  # the same local rank on every node: zeropp's qgZ second hop
+        return tuple(node * ranks_per_node + rank % ranks_per_node for node in range(world_size // ranks_per_node))
     if kind == "world":
         return tuple(range(world_size))
     raise TopologyError(f"unknown group kind {kind!r}")
 
 
-GROUP_KINDS = ("weight", "stride", "cross", "replica", "node", "world")
+GROUP_KINDS = ("weight", "stride", "cross", "replica", "node", "rail", "world")  # world last (always exists)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class RankGroup:
 
 
 class ProcessGroups:
-    """The weight, stride, cross, replica, node and world groups of this rank.
+    """The weight, stride, cross, replica, node, rail and world groups of this rank.
 
     Every rank calls ``dist.new_group`` for every distinct multi-rank group, in the same order
     (all groups of each kind, kinds in ``GROUP_KINDS`` order), and keeps the ones it belongs to.
@@ -164,6 +166,7 @@ class ProcessGroups:
         self.cross: RankGroup
         self.replica: RankGroup
         self.node: RankGroup
+        self.rail: RankGroup
         self.world: RankGroup
 
     @classmethod

@@ -5,13 +5,13 @@ engine or from ``megatron.topology``: the tests compare the engine's byte ledger
 prediction entry by entry, so the two must be independent statements of the same algorithm.
 
 Vocabulary shared with the ledger: a *collective* (op) runs in every *group* of one kind (weight,
-stride, cross, replica, node, world); each member sends to the next member of its group's sorted
-ring, and every send is charged to the *tier* between the two ranks and to a *phase*.
+stride, cross, replica, node, same_local, world); in a ring collective each member sends to the next
+member of its group's sorted ring, in an all-to-all to every other member, and every send is charged
+to the *tier* between the two ranks and to a *phase*.
 
-Extension point for quantization: ``CommSpec.quant`` names per-phase ``PhaseQuant`` settings. They
-are refused for now; when the quantized payload format is fixed, ``padding_quantum`` multiplies by
-the block size and ``_step_collectives`` emits the quantized ops (an all-to-all for reductions,
-whose per-peer charging ``_sent_bytes`` already implements).
+Quantized collectives (engine.md, "Quantized collectives") are described by ``CommSpec.quant``, a
+``QuantSpec`` of effective bits per phase: a quantized gather moves packed messages (codes + fp32
+block scales in one uint8 buffer), a quantized reduction hop is an all-to-all of packed messages.
 """
 from __future__ import annotations
 
@@ -39,10 +39,54 @@ class CommModelError(ConfigError, ValueError):
 
 
 @dataclass(frozen=True)
-class PhaseQuant:
-    """Block quantization of one phase's payload (extension point; not modelled yet)."""
-    bits: int
-    block_size: int
+class QuantSpec:
+    """Effective quantization bits per phase (0 = the phase moves the compute dtype) and the block.
+
+    ``QuantSpec.from_settings`` applies the defaults of the ``zero_optimization`` keys; the fields
+    themselves are the resolved values the engine runs with.
+    """
+    weight_gather_bits: int = 0
+    """Weight gathers (fwd/bwd/recompute/eval; zeropp's world and node gathers and its secondary copy)."""
+    grad_reduce_bits: int = 0
+    """Micro-step gradient hops (weight then stride group; zeropp's two qgZ hops): all-to-all."""
+    cross_node_grad_bits: int = 0
+    """The step-boundary cross-group gradient hop: all-to-all. The replica allreduce is never quantized."""
+    refresh_bits: int = 0
+    """The refresh's cross-group allgather of the master slices (the stride hop stays in dtype c)."""
+    block_size: int = 2048
+    """b: elements per block, one fp32 scale each."""
+    error_feedback: bool = False
+    """Keep one fp32 residual per unit per quantized reduction hop (memory category ``error_feedback``)."""
+
+    @classmethod
+    def from_settings(cls, quantized_weights: bool = False, quantized_gradients: bool = False,
+                      quantized_refresh: bool = False, block_size: int = 2048, error_feedback: bool = False,
+                      weight_gather_bits: Optional[int] = None, grad_reduce_bits: Optional[int] = None,
+                      cross_node_grad_bits: Optional[int] = None, refresh_bits: Optional[int] = None) -> "QuantSpec":
+        """Resolve DeepSpeed-style switches and per-phase overrides (None = default) into bits."""
+        weight = (8 if quantized_weights else 0) if weight_gather_bits is None else weight_gather_bits
+        grad = (4 if quantized_gradients else 0) if grad_reduce_bits is None else grad_reduce_bits
+        cross = grad if cross_node_grad_bits is None else cross_node_grad_bits
+        refresh = (8 if quantized_weights or quantized_refresh else 0) if refresh_bits is None else refresh_bits
+        return cls(weight, grad, cross, refresh, block_size, error_feedback)
+
+    @property
+    def phase_bits(self) -> dict:
+        return {"weight_gather_bits": self.weight_gather_bits, "grad_reduce_bits": self.grad_reduce_bits,
+                "cross_node_grad_bits": self.cross_node_grad_bits, "refresh_bits": self.refresh_bits}
+
+    @property
+    def enabled(self) -> bool:
+        """Any phase quantized (this is what pads units to q = N x b)."""
+        return any(self.phase_bits.values())
+
+
+def packed_message_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of one quantized message of ``numel`` elements: codes (numel x bits/8), then numel/b
+    fp32 scales. The model's chunks are whole blocks by construction; anything else is a model bug."""
+    if numel % block_size or numel * bits % 8:
+        raise CommModelError(f"a {bits}-bit message of {numel} elements is not whole blocks of {block_size}")
+    return numel * bits // 8 + FP32_BYTES * numel // block_size
 
 
 @dataclass(frozen=True)
@@ -73,8 +117,8 @@ class CommSpec:
     ledger_vector_len: int = (len(PHASES) + 1) * 3
     """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
     tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
-    quant: Mapping = field(default_factory=dict)
-    """Extension point: {phase: PhaseQuant}; must be empty until quantization is modelled."""
+    quant: QuantSpec = field(default_factory=QuantSpec)
+    """Quantized collectives: effective bits per phase, block size, error feedback (default: none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_numels", tuple(int(p) for p in self.unit_numels))
@@ -146,16 +190,29 @@ def _validate(spec: CommSpec) -> None:
         raise CommModelError(f"checkpointed_units {sorted(spec.checkpointed_units)} name units that do not exist")
     if min(spec.loss_vector_len, spec.eval_loss_vector_len, spec.ledger_vector_len) < 1:
         raise CommModelError("loss_vector_len, eval_loss_vector_len and ledger_vector_len must be >= 1")
-    if spec.quant:
-        raise CommModelError(f"quantized phases ({', '.join(sorted(spec.quant))}) are not modelled yet")
+    _validate_quant(spec.quant)
+
+
+def _validate_quant(quant: QuantSpec) -> None:
+    if not isinstance(quant, QuantSpec):
+        raise CommModelError(f"quant must be a QuantSpec; got {type(quant).__name__}")
+    for name, bits in quant.phase_bits.items():
+        if bits not in (0, 4, 8):
+            raise CommModelError(f"{name} must be 0 (off), 4 or 8; got {bits}")
+    if quant.block_size < 1:
+        raise CommModelError(f"quantization block_size must be >= 1; got {quant.block_size}")
+    if 4 in quant.phase_bits.values() and quant.block_size % 2:
+        raise CommModelError(f"INT4 packs two codes per byte: block_size must be even; got {quant.block_size}")
 
 
 # -- padding -------------------------------------------------------------------------------------
 
 def padding_quantum(spec: CommSpec) -> int:
     """q: every unit buffer is padded to a multiple of N for every preset (engine.md): a multiple of
-    os, and the replica allreduce of an S/os slice then splits evenly over its N/os members."""
-    # Quantization will multiply q by its block size here, so no block straddles a shard.
+    os, and the replica allreduce of an S/os slice then splits evenly over its N/os members. With any
+    phase quantized, q = N x b, so every chunk at every level is whole blocks."""
+    if spec.quant.enabled:
+        return spec.world_size * spec.quant.block_size
     return spec.world_size
 
 
@@ -210,6 +267,8 @@ def groups_of_kind(kind: str, spec: CommSpec) -> list:
         return [[k * os_ + pos for k in range(n // os_)] for pos in range(os_)]
     if kind == "node":
         return [list(range(node * r, node * r + r)) for node in range(n // r)]
+    if kind == "same_local":  # zeropp qgZ's second hop: the same local rank on every node
+        return [[node * r + local for node in range(n // r)] for local in range(r)]
     if kind == "world":
         return [list(range(n))]
     raise CommModelError(f"unknown group kind {kind!r}")
@@ -224,7 +283,8 @@ class Collective:
     op: str
     group: str
     numel: int
-    """Elements of the full buffer B (allgather output, reduce-scatter input, allreduce buffer)."""
+    """Elements of the full buffer B (allgather output, reduce-scatter input, allreduce buffer,
+    all-to-all input); a quantized collective's buffer is packed uint8 (numel = bytes)."""
     elem_bytes: int
     count: int = 1
 
@@ -239,23 +299,39 @@ def step_collectives(spec: CommSpec) -> list:
     return body + _control_collectives(spec)
 
 
+def _gather(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
+            count: int = 1) -> Collective:
+    """Allgather of k chunks into ``numel`` elements; quantized, of k packed messages of numel/k."""
+    if bits:
+        return Collective(phase, ALLGATHER, group, k * packed_message_bytes(numel // k, bits, block), 1, count)
+    return Collective(phase, ALLGATHER, group, numel, elem_bytes, count)
+
+
+def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
+            count: int = 1) -> Collective:
+    """One reduction hop of a ``numel``-element input over k ranks: a reduce-scatter in dtype, or an
+    all-to-all of k packed messages of numel/k elements (piece j to member j)."""
+    if bits:
+        return Collective(phase, ALL_TO_ALL, group, k * packed_message_bytes(numel // k, bits, block), 1, count)
+    return Collective(phase, REDUCE_SCATTER, group, numel, elem_bytes, count)
+
+
 def _ladder_collectives(spec: CommSpec) -> list:
     w, g, os_ = spec.resolved_factors()
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
     boundary = FP32_BYTES if spec.fp32_allreduce else c
+    qs, b = spec.quant, spec.quant.block_size
     out = []
     for u, s in enumerate(padded_unit_numels(spec)):
         backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
-        if e:
-            out.append(Collective("eval_gather", ALLGATHER, "weight", s, c, e))
-        out += [Collective("fwd_gather", ALLGATHER, "weight", s, c, a),
-                Collective(backward_gather, ALLGATHER, "weight", s, c, a),
-                Collective("grad_reduce", REDUCE_SCATTER, "weight", s, c, a),
-                Collective("grad_reduce", REDUCE_SCATTER, "stride", s // w, c, a),
-                Collective("cross_grad_reduce", REDUCE_SCATTER, "cross", s // g, boundary),
+        passes = ([("eval_gather", e)] if e else []) + [("fwd_gather", a), (backward_gather, a)]
+        out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n) for phase, n in passes]
+        out += [_reduce("grad_reduce", "weight", s, w, c, qs.grad_reduce_bits, b, a),
+                _reduce("grad_reduce", "stride", s // w, g // w, c, qs.grad_reduce_bits, b, a),
+                _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b),
                 Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary),
-                Collective("refresh", ALLGATHER, "cross", s // g, c),
-                Collective("refresh", ALLGATHER, "stride", s // w, c)]
+                _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b),
+                _gather("refresh", "stride", s // w, g // w, c, 0, b)]
     return out
 
 
@@ -264,17 +340,27 @@ def _zeropp_collectives(spec: CommSpec) -> list:
 
     The trainer evaluates after the ledger sync of a step, so a window holding evaluation passes
     runs them before its training micro-batches: the world gather then falls in ``eval_gather``.
+
+    With quantized weights every gather moves packed messages (the node gathers: the secondary
+    copies, each the packed message of S/R elements). With quantized gradients (qgZ) the world
+    reduce-scatter becomes two all-to-alls: node group (input S), then same_local group (input S/R).
     """
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
+    n, r = spec.world_size, spec.ranks_per_node
+    wbits, gbits, b = spec.quant.weight_gather_bits, spec.quant.grad_reduce_bits, spec.quant.block_size
     out = []
     for u, s in enumerate(padded_unit_numels(spec)):
         backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
         first = "eval_gather" if e else "fwd_gather"
         later = {"eval_gather": e, "fwd_gather": a, backward_gather: a}
         later[first] -= 1
-        out.append(Collective(first, ALLGATHER, "world", s, c))
-        out += [Collective(phase, ALLGATHER, "node", s, c, n) for phase, n in later.items() if n]
-        out.append(Collective("grad_reduce", REDUCE_SCATTER, "world", s, c, a))
+        out.append(_gather(first, "world", s, n, c, wbits, b))
+        out += [_gather(phase, "node", s, r, c, wbits, b, count) for phase, count in later.items() if count]
+        if gbits:
+            out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a),
+                    _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a)]
+        else:
+            out.append(_reduce("grad_reduce", "world", s, n, c, 0, b, a))
     return out
 
 
@@ -407,12 +493,13 @@ class StepTime:
         return max(self.compute_s, self.comm_total_s)
 
 
-def domain_load_fractions(kind: str, spec: CommSpec) -> dict:
+def domain_load_fractions(kind: str, spec: CommSpec, op: str = ALLGATHER) -> dict:
     """{tier: largest fraction of B entering one domain of that tier}, all groups of a kind at once.
 
     Per link load, not ring order: a topology-aware algorithm brings each outside chunk into a
     domain once, so the bytes entering a domain through tier t are B x (members of the group in the
-    parent domain - members in this domain) / k, summed over the kind's concurrent groups.
+    parent domain - members in this domain) / k, summed over the kind's concurrent groups. In an
+    all-to-all every member of the domain needs its own piece from each outside member: m times that.
     """
     depth = len(spec.layout)
     loads = [dict() for _ in range(depth)]
@@ -427,7 +514,8 @@ def domain_load_fractions(kind: str, spec: CommSpec) -> dict:
                 in_domain[cd[:t + 1]] = in_domain.get(cd[:t + 1], 0) + 1
                 in_parent[cd[:t]] = in_parent.get(cd[:t], 0) + 1
             for dom, m in in_domain.items():
-                loads[t][dom] = loads[t].get(dom, 0.0) + (in_parent[dom[:t]] - m) / k
+                pieces = m if op == ALL_TO_ALL else 1
+                loads[t][dom] = loads[t].get(dom, 0.0) + pieces * (in_parent[dom[:t]] - m) / k
     return {tier: max(loads[t].values(), default=0.0) for t, tier in enumerate(spec.tiers)}
 
 
@@ -454,10 +542,11 @@ def simulate_step_time(spec: CommSpec, hw: Hardware, tokens_per_micro_batch: int
     flops = params * tokens_per_micro_batch * (6 * spec.micro_batches + 2 * spec.eval_forward_passes)
     compute_s = flops / (hw.peak_flops * hw.mfu)
     collectives = step_collectives(spec)
-    kinds = {kind: (len(groups_of_kind(kind, spec)[0]), domain_load_fractions(kind, spec))
-             for kind in {col.group for col in collectives}}
+    kinds = {(col.group, col.op): (len(groups_of_kind(col.group, spec)[0]),
+                                   domain_load_fractions(col.group, spec, col.op))
+             for col in collectives}
     comm_s = {phase: 0.0 for phase in PHASES}
     for col in collectives:
-        k, fractions = kinds[col.group]
+        k, fractions = kinds[(col.group, col.op)]
         comm_s[col.phase] += collective_time_s(col, fractions, k, hw)
     return StepTime(compute_s=compute_s, comm_s={p: s for p, s in comm_s.items() if s > 0})

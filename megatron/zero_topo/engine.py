@@ -31,6 +31,7 @@ from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
 from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
+from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
 from megatron.zero_topo import state_io
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -43,7 +44,8 @@ class ZeroTopoEngine:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
-                 preset: Optional[str] = None, *, fp32_allreduce: bool = False):
+                 preset: Optional[str] = None, *, fp32_allreduce: bool = False,
+                 quant: Optional[QuantSettings] = None):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -65,11 +67,14 @@ class ZeroTopoEngine:
         # Dtype of the step-boundary hops (cross, replica): the compute dtype unless fp32_allreduce.
         self.boundary_dtype = torch.float32 if fp32_allreduce else self.dtype
         self.loss_scale = DynamicLossScale(enabled=self.dtype is torch.float16)
+        self.quant = quant or QuantSettings()
         self.step_count = 0            # optimizer steps taken (AdamW's t)
         self.micro_count = 0           # micro-batches since the last optimizer step
         self._in_backward = False      # inside our own backward(): a unit forward is a recompute
         self._forward_phase = "eval_gather"
         self.units = self._build_units(model, units, n)
+        self.qcomm = QuantizedCollectives(comm, self.quant, self.device) if self.quant.enabled else None
+        self._allocate_residuals()
         self._hooks = [h for u in self.units for h in self._install_hooks(u)]
         self._check_same_init()
         self.ledger.reset()
@@ -96,9 +101,35 @@ class ZeroTopoEngine:
         device = next(model.parameters()).device
         self.device = device
         chunks = chunks_of(self.groups.rank, self.groups.factors)
-        multiple = n  # docs/engine.md: S is a multiple of N, so every hop's buffer splits evenly
+        # docs/engine.md: S is a multiple of N, so every hop's buffer splits evenly; quantized, of
+        # N x block, so every chunk at every level is whole blocks.
+        multiple = n * self.quant.block if self.quant.enabled else n
         return [FlatUnit(i, unit, slots, multiple, self.groups.factors, chunks, self.dtype, device)
                 for i, (unit, slots) in enumerate(zip(units, slot_lists))]
+
+    def _micro_hops(self) -> list[tuple[str, RankGroup]]:
+        """The multi-rank groups of the micro-step gradient reduction, in order, by hop name."""
+        g = self.groups
+        hops = [("node", g.node), ("rail", g.rail)] if self.hpz and self.quant.grad_bits else \
+            [("weight", g.weight), ("stride", g.stride)]
+        return [(name, group) for name, group in hops if group.size > 1]
+
+    def _allocate_residuals(self) -> None:
+        """Error feedback: one fp32 residual per unit per quantized reduction hop, sized like the
+        hop's input (model state from the start, so memory does not change after the first step)."""
+        if not self.quant.error_feedback:
+            return
+        hops = []
+        if self.quant.grad_bits:
+            divisor = 1
+            for name, group in self._micro_hops():
+                hops.append((name, divisor))
+                divisor *= group.size
+        if self.quant.cross_bits and self.groups.cross.size > 1:
+            hops.append(("cross", self.groups.factors.g))
+        for unit in self.units:
+            unit.residuals = {name: torch.zeros(unit.size // divisor, dtype=torch.float32, device=self.device)
+                              for name, divisor in hops}
 
     def _install_hooks(self, unit: FlatUnit) -> list:
         return [unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u)),
@@ -121,6 +152,8 @@ class ZeroTopoEngine:
 
     # -- gathers and releases -----------------------------------------------------------------------
     def _gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
+        if self.quant.weight_bits:
+            return self._gather_quantized(unit, phase)
         full = unit.allocate()
         if self.hpz and unit.secondary is not None:
             charges = self.comm.all_gather(full, unit.secondary, self.groups.node, phase)
@@ -130,6 +163,23 @@ class ZeroTopoEngine:
                 r, per_node = self.groups.rank, self.groups.node.size
                 step = unit.size // per_node
                 unit.secondary = full[(r % per_node) * step: (r % per_node + 1) * step].clone()
+        unit.gathered = True
+        return charges
+
+    def _gather_quantized(self, unit: FlatUnit, phase: str) -> dict[str, int]:
+        """INT8 gather: allgather of packed messages, every member dequantizes all chunks (zeropp:
+        the secondary copy is this node chunk's messages, kept packed)."""
+        full, bits, node = unit.allocate(), self.quant.weight_bits, self.groups.node
+        if self.hpz and unit.secondary is not None:
+            received, charges = self.qcomm.all_gather_messages(unit.secondary, node, phase)
+            self.qcomm.dequantize_into(full, received, node.size, bits)
+        else:
+            weight = self.groups.weight
+            received, charges = self.qcomm.gather(full, unit.shard, weight, phase, bits)
+            if self.hpz:  # world chunks l*N/R .. (l+1)*N/R - 1 make up node chunk l = r % R
+                per_chunk = weight.size // node.size
+                unit.secondary = self.qcomm.merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
+                                                           per_chunk, bits)
         unit.gathered = True
         return charges
 
@@ -174,6 +224,12 @@ class ZeroTopoEngine:
     def _reduce_gradient(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         """S-element gradient -> weight group -> stride group -> added into the fp32 1/g accumulator."""
         grad = grad.detach().to(self.dtype).reshape(-1)
+        if self.quant.grad_bits:
+            if self.hpz:  # qgZ: node hop, then rail hop; the swizzle lands chunk r on rank r
+                grad = qgz_swizzle(grad, self.groups.rail.size, self.groups.node.size)
+            hops = [(group, unit.residuals.get(name)) for name, group in self._micro_hops()]
+            unit.grad_accum.add_(self.qcomm.reduce(grad, hops, "grad_reduce", self.quant.grad_bits))
+            return
         for group in (self.groups.weight, self.groups.stride):
             grad = self._reduce_scatter(grad, group, "grad_reduce")
         unit.grad_accum.add_(grad)
@@ -204,7 +260,10 @@ class ZeroTopoEngine:
         """The fp32 gradient of the mean loss on this rank's 1/os slice (cross, replica hops)."""
         cross, replica = self.groups.cross, self.groups.replica
         grad = unit.grad_accum
-        if cross.size > 1:
+        if cross.size > 1 and self.quant.cross_bits:  # quantized from the fp32 accumulator
+            grad = self.qcomm.reduce(grad, [(cross, unit.residuals.get("cross"))], "cross_grad_reduce",
+                                     self.quant.cross_bits)
+        elif cross.size > 1:
             grad = self._reduce_scatter(grad.to(self.boundary_dtype), cross, "cross_grad_reduce")
         if replica.size > 1:
             grad = grad.to(self.boundary_dtype)
@@ -266,6 +325,8 @@ class ZeroTopoEngine:
                              lr=lr, step=self.step_count, hyper=self.hyper)
                 self._refresh(unit, "refresh")
         self.loss_scale.update(finite)
+        if self.qcomm is not None:
+            self.qcomm.overflow = False
         for unit in self.units:
             unit.grad_accum.zero_()
             unit.secondary = None  # zeropp: the next step's first gather rebuilds it
@@ -279,14 +340,23 @@ class ZeroTopoEngine:
         """sqrt of the sum of squares over all slices; replica 0 counts, one world all-reduce."""
         world = self.groups.world
         local = sum(float(g.double().square().sum()) for g in grads) if self.groups.replica.index(self.groups.rank) == 0 else 0.0
+        if self.qcomm is not None and self.qcomm.overflow:
+            local = math.inf  # a quantized hop met NaN/inf (sent as zeros): every rank skips the step
         vec = torch.zeros(world.size, dtype=torch.float32, device=self.device)
         vec[world.index(self.groups.rank)] = local
         self.comm.all_reduce(vec, world, "control")
         return math.sqrt(float(vec.double().sum()))
 
     def _refresh(self, unit: FlatUnit, phase: str) -> None:
-        """New weight chunk from the master slice: cast, then all-gather across cross and stride groups."""
-        self._gather_up(unit.master.to(self.dtype), [self.groups.cross, self.groups.stride], phase, out=unit.shard)
+        """New weight chunk from the master slice: cast, then all-gather across cross and stride groups
+        (the cross hop as INT8 messages quantized from fp32 when refresh_bits = 8)."""
+        cross, stride = self.groups.cross, self.groups.stride
+        if self.quant.refresh_bits and cross.size > 1:
+            partial = torch.empty(unit.master.numel() * cross.size, dtype=self.dtype, device=self.device)
+            self.qcomm.gather(partial, unit.master, cross, phase, self.quant.refresh_bits)
+            self._gather_up(partial, [stride], phase, out=unit.shard)
+            return
+        self._gather_up(unit.master.to(self.dtype), [cross, stride], phase, out=unit.shard)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over every rank as one float64 world all-reduce padded to a multiple of N (control)."""

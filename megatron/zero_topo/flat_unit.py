@@ -59,8 +59,10 @@ class FlatUnit:
 
     Tensors held (categories of ``engine.model_state_bytes``): ``flat`` (the full unit, compute
     dtype; no storage while released), ``shard`` (weight chunk S/w; the same storage as ``flat``
-    when w == 1), ``secondary`` (zeropp's node-level chunk S/R), ``grad_accum`` (fp32 S/g), ``master``,
-    ``exp_avg``, ``exp_avg_sq`` (fp32 S/os).
+    when w == 1), ``secondary`` (zeropp's node-level chunk S/R: compute dtype, or its packed INT8
+    message with quantized weights), ``grad_accum`` (fp32 S/g), ``master``, ``exp_avg``,
+    ``exp_avg_sq`` (fp32 S/os), ``residuals`` (error feedback: fp32, one per quantized reduction hop,
+    the size of that hop's input; set by the engine).
     """
 
     def __init__(self, index: int, module: nn.Module, slots: list[ParamSlot], multiple: int,
@@ -88,6 +90,7 @@ class FlatUnit:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad_accum = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=torch.float32, device=device)
         self.secondary: Optional[torch.Tensor] = None
+        self.residuals: dict[str, torch.Tensor] = {}
         self.flat = full.to(dtype).requires_grad_(True)
         if self.shardable:
             self.shard = self.flat.detach()[slice(*self.weight_range)].clone()

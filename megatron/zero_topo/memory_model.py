@@ -5,33 +5,60 @@ from the engine or the model, and the tests check it against both.
 """
 from __future__ import annotations
 
-from megatron.zero_topo.comm_model import FP32_BYTES, CommModelError, CommSpec, padded_unit_numels
+from megatron.zero_topo.comm_model import (FP32_BYTES, CommModelError, CommSpec, packed_message_bytes,
+                                           padded_unit_numels)
 
-CATEGORIES = ("weights", "zeropp_secondary", "grad_accumulator", "master", "moments")
+# error_feedback appears in a prediction only when residuals are kept (see predict_model_state_bytes).
+CATEGORIES = ("weights", "zeropp_secondary", "grad_accumulator", "master", "moments", "error_feedback")
 
 
 def predict_model_state_bytes(spec: CommSpec) -> dict:
     """{rank: {category: bytes}} for every rank, plus 'per_rank': the largest value over ranks.
 
-    Categories: weights (S/w x c), zeropp_secondary (S/R x c, zeropp only), grad_accumulator
-    (S/g x 4), master (S/os x 4), moments (2 x S/os x 4), and their 'total'. Every rank holds equal
-    shards (S is padded to a multiple of the sharding), so all ranks report the same bytes; the
-    per-rank form is kept so a measured table can be compared rank by rank.
+    Categories: weights (S/w x c), zeropp_secondary (zeropp only: S/R x c, or the packed message of
+    S/R elements with quantized weights), grad_accumulator (S/g x 4), master (S/os x 4), moments
+    (2 x S/os x 4), error_feedback (present only when ``quant.error_feedback`` keeps a residual, i.e.
+    some reduction hop is quantized: see ``error_feedback_elements``), and their 'total'. Every rank holds equal shards (S is padded to a
+    multiple of the sharding), so all ranks report the same bytes; the per-rank form is kept so a
+    measured table can be compared rank by rank.
     """
     w, g, os_ = spec.resolved_factors()
-    c = spec.compute_bytes
+    c, r = spec.compute_bytes, spec.ranks_per_node
+    bits, block = spec.quant.weight_gather_bits, spec.quant.block_size
     sizes = padded_unit_numels(spec)
+    secondary = (sum(packed_message_bytes(s // r, bits, block) for s in sizes) if bits
+                 else sum(s // r for s in sizes) * c)
     held = {
         "weights": sum(s // w for s in sizes) * c,
-        "zeropp_secondary": sum(s // spec.ranks_per_node for s in sizes) * c if spec.is_zeropp else 0,
+        "zeropp_secondary": secondary if spec.is_zeropp else 0,
         "grad_accumulator": sum(s // g for s in sizes) * FP32_BYTES,
         "master": sum(s // os_ for s in sizes) * FP32_BYTES,
         "moments": 2 * sum(s // os_ for s in sizes) * FP32_BYTES,
     }
+    residuals = sum(error_feedback_elements(spec, s) for s in sizes) * FP32_BYTES
+    if residuals:
+        held["error_feedback"] = residuals
     held["total"] = sum(held.values())
     out: dict = {rank: dict(held) for rank in range(spec.world_size)}
     out["per_rank"] = {cat: max(out[r][cat] for r in range(spec.world_size)) for cat in held}
     return out
+
+
+def error_feedback_elements(spec: CommSpec, padded_numel: int) -> int:
+    """fp32 residual elements kept for one unit of S = ``padded_numel``: one residual per quantized
+    reduction hop, sized as that hop's input. Ladder: weight hop S, stride hop S/w, cross hop S/g;
+    zeropp (qgZ): node hop S, same-local-rank hop S/R. A hop over a group of one rank does not exist
+    (no collective, nothing quantized), so it keeps no residual."""
+    if not spec.quant.error_feedback:
+        return 0
+    w, g, os_ = spec.resolved_factors()
+    n, r, s = spec.world_size, spec.ranks_per_node, padded_numel
+    grad, cross = spec.quant.grad_reduce_bits, spec.quant.cross_node_grad_bits
+    if spec.is_zeropp:  # (group size, input elements, bits) per hop
+        hops = [(r, s, grad), (n // r, s // r, grad)]
+    else:
+        hops = [(w, s, grad), (g // w, s // w, grad), (os_ // g, s // g, cross)]
+    return sum(numel for k, numel, bits in hops if k > 1 and bits)
 
 
 def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,

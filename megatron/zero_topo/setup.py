@@ -1,5 +1,5 @@
 """From a validated config to a running engine, in the documented order:
-topology -> factors -> process groups -> communicator (+ ledger) -> engine.
+topology -> factors -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
 
 The trainer calls ``engine_from_config`` once after ``init_process_group``; nothing here is global.
 """
@@ -9,10 +9,11 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from megatron.logging.metrics import log_print
 from megatron.topology import ProcessGroups, Topology, resolve_factors
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.engine import ZeroTopoEngine
-from megatron.zero_topo.flat_unit import EngineError
+from megatron.zero_topo.quantized import QuantSettings
 
 
 def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int,
@@ -22,15 +23,15 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     ``topology`` defaults to ``Topology.from_config(cfg, world_size)``; ``units`` to ``model.units()``.
     """
     zero = cfg.zero
-    if zero.zero_quantized_weights or zero.zero_quantized_gradients:
-        raise EngineError("zero_quantized_weights / zero_quantized_gradients are not implemented by the engine yet; "
-                          "set them to false")
+    quant = QuantSettings.from_config(zero)  # the effective bits, derived here only
     topology = topology or Topology.from_config(cfg, world_size)
     factors, preset = resolve_factors(zero, topology)
     groups = ProcessGroups.build(topology, factors)
     device = next(model.parameters()).device
     comm = Communicator(groups, device=device)
+    if quant.enabled:
+        log_print(f"quantized collectives: {quant.summary()}", groups.rank)
     accumulation = cfg.training.gradient_accumulation_steps or 1
     return ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=preset,
-                          fp32_allreduce=bool(cfg.precision.fp32_allreduce))
+                          fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant)

@@ -4,6 +4,11 @@ checkpoints (megatron.checkpointing.param_slices), and the bytes of model states
 Gathers made here are charged to the ledger phase ``checkpoint`` (outside the per-step model).
 Loading from full tensors is local (every rank cuts its own slices), so a checkpoint written with any
 (w, g, os) or world size loads once the checkpointer has reassembled full tensors from the maps.
+
+Error-feedback residuals (quantized reductions) are per-rank state that no layout change can map:
+each rank saves its own under the extra entry ``error_feedback`` with the layout they belong to, and
+they are restored only into the same layout (world size, factors, preset, block, bits, unit sizes);
+otherwise they restart from zero with a one-line notice.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron.checkpointing.param_slices import check_shapes, make_engine_state
+from megatron.logging.metrics import log_print
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit
 
 if TYPE_CHECKING:
@@ -57,9 +63,13 @@ def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
                            **{key: getattr(unit, key)[pos:pos + length].detach().cpu().clone()
                               for key in ("master", "exp_avg", "exp_avg_sq")}})
             pos += length
-    return make_engine_state(pieces, shapes, engine.step_count,
-                             {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.groups.factors.as_tuple()),
-                              "preset": engine.preset})
+    extra = {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.groups.factors.as_tuple()),
+             "preset": engine.preset}
+    if any(unit.residuals for unit in engine.units):
+        extra["error_feedback"] = {"layout": residual_layout(engine), "rank": engine.groups.rank,
+                                   "residuals": [{hop: r.detach().cpu().clone() for hop, r in unit.residuals.items()}
+                                                 for unit in engine.units]}
+    return make_engine_state(pieces, shapes, engine.step_count, extra)
 
 
 def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
@@ -70,6 +80,56 @@ def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
                                                   "exp_avg_sq": full["exp_avg_sq"]})
     if full.get("loss_scaler"):
         engine.loss_scale.load_state_dict(full["loss_scaler"])
+    if int(full["step"]) > 0:  # step 0: a fresh optimizer (finetune), residuals stay zero
+        restore_residuals(engine, full.get("error_feedback"))
+
+
+def residual_layout(engine: "ZeroTopoEngine") -> dict:
+    """What the residuals' shapes and meaning depend on: equal layouts -> restore exactly."""
+    q = engine.quant
+    return {"world_size": engine.groups.world_size, "factors": list(engine.groups.factors.as_tuple()),
+            "preset": engine.preset, "block": q.block, "grad_bits": q.grad_bits, "cross_bits": q.cross_bits,
+            "unit_sizes": [u.size for u in engine.units]}
+
+
+@torch.no_grad()
+def restore_residuals(engine: "ZeroTopoEngine", entry) -> bool:
+    """Copy this rank's saved residuals back when the layout is unchanged; else leave them zero.
+
+    ``entry`` is a list indexed by rank (every rank's ``error_feedback``) or one rank's dict (usable
+    by a one-rank run only). Every rank sees the same entry, so all ranks decide alike. Returns
+    whether the residuals were restored.
+    """
+    rank = engine.groups.rank
+    if not any(unit.residuals for unit in engine.units):
+        if entry:
+            log_print("checkpoint error-feedback residuals ignored: error feedback is off in this run", rank)
+        return False
+    layout, world = residual_layout(engine), engine.groups.world_size
+    mine = None
+    if isinstance(entry, (list, tuple)) and len(entry) == world:
+        mine = entry[rank]
+    elif isinstance(entry, dict) and world == 1:
+        mine = entry
+    reason = None
+    if entry is None:
+        reason = "the checkpoint has none"
+    elif mine is None:
+        reason = "the checkpoint does not carry every rank's residuals"
+    elif mine.get("layout") != layout or mine.get("rank") != rank:
+        reason = "the layout changed (world size, shard factors, block or bits), so they do not line up"
+    else:
+        saved = mine["residuals"]
+        if len(saved) == len(engine.units) and all(
+                set(s) == set(u.residuals) and all(s[h].shape == u.residuals[h].shape for h in s)
+                for s, u in zip(saved, engine.units)):
+            for s, unit in zip(saved, engine.units):
+                for hop, residual in unit.residuals.items():
+                    residual.copy_(s[hop])
+            return True
+        reason = "their shapes differ from this run's hops"
+    log_print(f"error-feedback residuals reset to zero: {reason}", rank)
+    return False
 
 
 @torch.no_grad()
@@ -82,11 +142,19 @@ def load_full_state_dict(engine: "ZeroTopoEngine", params: dict[str, torch.Tenso
     for unit in engine.units:
         full = _assemble(unit, params, "parameter")
         unit.master.copy_(full[slice(*unit.opt_range)])
-        unit.shard.copy_(full[slice(*unit.weight_range)] if unit.shardable else full)
+        weights = full[slice(*unit.weight_range)]
+        if engine.quant.refresh_bits and engine.groups.cross.size > 1:
+            # The quantized refresh hands every member dequantized INT8 values; quantizing the
+            # whole weight range gives the same codes (chunks are whole blocks), so rebuild them
+            # locally and a resumed run continues exactly.
+            weights = engine.qcomm.roundtrip(weights, engine.quant.refresh_bits, engine.dtype)
+        unit.shard.copy_(weights)
         for key in ("exp_avg", "exp_avg_sq"):
             moment = _assemble(unit, optimizer[key], key) if optimizer else torch.zeros(unit.size)
             getattr(unit, key).copy_(moment[slice(*unit.opt_range)])
         _reset_transient(unit)
+        for residual in unit.residuals.values():  # per-rank state a parameter load cannot supply
+            residual.zero_()
     engine.step_count = int(optimizer["step"]) if optimizer else 0
 
 
@@ -114,8 +182,8 @@ def _reset_transient(unit: FlatUnit) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 CATEGORY_OF_ATTR = {"flat": "weights", "shard": "weights", "secondary": "secondary", "grad_accum": "grad_accum",
-                    "master": "master", "exp_avg": "moments", "exp_avg_sq": "moments"}
-CATEGORIES = ("weights", "secondary", "grad_accum", "master", "moments")
+                    "master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "residuals": "error_feedback"}
+CATEGORIES = ("weights", "secondary", "grad_accum", "master", "moments")  # + error_feedback when on
 
 
 def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
@@ -125,6 +193,8 @@ def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
     attribute has no category lands in ``other`` so a leak shows up. A released ``flat`` counts 0.
     """
     totals = {c: 0 for c in CATEGORIES}
+    if any(unit.residuals for unit in engine.units):
+        totals["error_feedback"] = 0
     seen: set[tuple[int, int]] = set()
 
     def add(category: str, tensor: torch.Tensor) -> None:
