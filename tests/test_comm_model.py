@@ -8,7 +8,7 @@ Every number below is written out by hand; none is computed by the model.
 import pytest
 
 from megatron.zero_topo.comm_model import (
-    CommModelError, CommSpec, PhaseQuant, predict_ledger, predict_ledger_per_rank, transformer_block_units)
+    CommModelError, CommSpec, QuantSpec, predict_ledger, predict_ledger_per_rank, transformer_block_units)
 
 UNITS = (100, 240, 240, 96)
 LAYOUT = (2, 2, 2)
@@ -182,7 +182,7 @@ def test_per_rank_sums_to_total(preset):
     (dict(layout=(2, 2, 2), preset="hsdp", factors=(1, 1, 1)), "exactly one"),
     (dict(layout=(2, 2, 2), preset="hsdp", compute_bytes=3), "compute_bytes"),
     (dict(layout=(2, 2, 2), preset="hsdp", checkpointed_units={7}), "checkpointed_units"),
-    (dict(layout=(2, 2, 2), preset="hsdp", quant={"refresh": PhaseQuant(8, 256)}), "not modelled"),
+    (dict(layout=(2, 2, 2), preset="hsdp", quant=QuantSpec(refresh_bits=16)), "refresh_bits"),
 ])
 def test_bad_specs_are_refused(kwargs, message):
     with pytest.raises(CommModelError, match=message):
