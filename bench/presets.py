@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron.config import load_config  # noqa: E402
 from megatron.model.sizes import unit_parameter_counts  # noqa: E402
-from megatron.zero_topo.comm_model import CommSpec, predict_ledger, transformer_block_units  # noqa: E402
+from megatron.zero_topo.comm_model import CommSpec, QuantSpec, predict_ledger, transformer_block_units  # noqa: E402
 
 PRESETS = {"ddp": "stage0", "zero1": "stage1", "zero2": "stage2", "zero3": "stage3", "hsdp": "hsdp",
            "zeropp": "zeropp", "zero_topo": "zero_topo"}
@@ -51,7 +51,12 @@ def predicted_per_step(cfg_paths: list[str], sets: list[str], preset: str) -> di
         from megatron.data import build_tokenizer
         vocab = pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
     units = unit_parameter_counts(cfg.model, vocab)
-    spec = CommSpec(units, tuple(cfg.topology.layout), preset=preset,
+    zero = cfg.zero
+    quant = QuantSpec.from_settings(zero.zero_quantized_weights, zero.zero_quantized_gradients,
+                                    zero.zero_quantized_refresh, zero.quantization_block_size,
+                                    zero.quantization_error_feedback, zero.weight_gather_bits,
+                                    zero.grad_reduce_bits, zero.cross_node_grad_bits, zero.refresh_bits)
+    spec = CommSpec(units, tuple(cfg.topology.layout), preset=preset, quant=quant,
                     micro_batches=cfg.training.gradient_accumulation_steps,
                     compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
@@ -68,9 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--set", dest="sets", action="append", default=[],
+                   help="extra config overrides for every run, e.g. zero_optimization.zero_quantized_gradients=true")
     args = p.parse_args(argv)
     base = [str(REPO / args.config)]
-    sets = [f"train_iters={args.steps}"]
+    sets = [f"train_iters={args.steps}", *args.sets]
     with tempfile.TemporaryDirectory() as tmp:
         def median_time(records):
             times = [r["runtime/iteration_time"] for r in records[2:]] or [r["runtime/iteration_time"] for r in records]
