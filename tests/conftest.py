@@ -41,6 +41,17 @@ def tiny_run_config(tmp_path: Path, corpus: Path, **overrides) -> Path:
     return path
 
 
+def train_losses(log_dir: Path) -> dict[int, float]:
+    """`train/lm_loss` by iteration from a run's metrics.jsonl."""
+    import json
+    out = {}
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/lm_loss" in record:
+            out[record["iteration"]] = record["train/lm_loss"]
+    return out
+
+
 def run_deepy(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "deepy.py"), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)

@@ -1,22 +1,14 @@
 """Checkpoints across layouts through deepy.py: exact resume on the simulated 8-rank topology, and
 the reshard chain zero_topo (8 ranks) -> zero3 (4 ranks) -> single process -> zero_topo (8 ranks)."""
-import json
 
 import torch
 
-from conftest import REPO, run_deepy, tiny_run_config
+from conftest import REPO, run_deepy, tiny_run_config, train_losses
 
 SIM8 = [str(REPO / "configs/sim-2x2x2.yml"), str(REPO / "configs/zero_topo.yml")]
 SIM4_ZERO3 = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero3.yml")]
 
 
-def _losses(log_dir):
-    out = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/lm_loss" in rec:
-            out[rec["iteration"]] = rec["train/lm_loss"]
-    return out
 
 
 def _run(cfg, *files_and_sets):
@@ -40,7 +32,7 @@ def test_exact_resume_on_eight_ranks(tmp_path, tiny_corpus):
     _run(part, *SIM8)
     resumed = _run(part, *SIM8, "--set", "train_iters=4", "--set", f"load={part_dir / 'ck'}")
     assert "resumed from" in resumed.stdout
-    reference, parts = _losses(full_dir / "logs"), _losses(part_dir / "logs")
+    reference, parts = train_losses(full_dir / "logs"), train_losses(part_dir / "logs")
     assert sorted(parts) == [1, 2, 3, 4]
     assert all(parts[i] == reference[i] for i in parts), (parts, reference)
 
@@ -76,7 +68,7 @@ def test_reshard_chain(tmp_path, tiny_corpus):
 
     d_dir, d = _config(tmp_path, "d", tiny_corpus, train_iters=4, load=str(c_dir / "ck"))
     _run(d, *SIM8)  # back to zero_topo on 8 ranks; training continues
-    reference, chained = _losses(a_dir / "logs"), _losses(d_dir / "logs")
+    reference, chained = train_losses(a_dir / "logs"), train_losses(d_dir / "logs")
     assert sorted(chained) == [3, 4]
     for it in (3, 4):
         assert abs(chained[it] - reference[it]) < 1e-5, (it, chained[it], reference[it])

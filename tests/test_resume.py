@@ -1,17 +1,9 @@
 """Single-process checkpoint round trips through deepy.py: exact resume and shape refusal.
 (Multi-rank resume and resharding are in tests/test_reshard_dist.py.)"""
-import json
 
-from conftest import run_deepy, tiny_run_config
+from conftest import run_deepy, tiny_run_config, train_losses
 
 
-def _losses(log_dir):
-    out = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/lm_loss" in rec:
-            out[rec["iteration"]] = rec["train/lm_loss"]
-    return out
 
 
 def test_stop_and_resume_is_bit_exact_even_with_shorter_first_run(tmp_path, tiny_corpus):
@@ -27,7 +19,7 @@ def test_stop_and_resume_is_bit_exact_even_with_shorter_first_run(tmp_path, tiny
     resumed = run_deepy("train.py", str(first), "--set", "train_iters=8", "--set", f"load={part_dir / 'ck'}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
-    reference, parts = _losses(full_dir / "logs"), _losses(part_dir / "logs")
+    reference, parts = train_losses(full_dir / "logs"), train_losses(part_dir / "logs")
     assert sorted(parts) == list(range(1, 9))
     assert all(parts[i] == reference[i] for i in range(1, 9)), (parts, reference)
 
