@@ -34,6 +34,7 @@ class Runtime:
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
+            dist.barrier()  # no rank tears down while a peer still talks to it (gloo aborts otherwise)
             dist.destroy_process_group()
 
 

@@ -188,9 +188,9 @@ class Trainer:
         meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
         start = time.perf_counter()
         path = self.checkpointer.save(self.iteration, rank_state, meta)
-        size = sum(f.stat().st_size for f in path.iterdir())
-        log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)",
-                  self.runtime.rank)
+        if self.runtime.is_main:
+            size = sum(f.stat().st_size for f in path.iterdir())
+            log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)")
 
     def resume(self, load_dir: str) -> bool:
         start = time.perf_counter()

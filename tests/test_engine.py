@@ -222,5 +222,5 @@ def test_engine_from_config_one_process():
     engine.forward_backward(make_batch(0, 0, 0))
     assert engine.optimizer_step(LR)["grad_norm"] > 0
     cfg.zero.zero_quantized_weights = True
-    with pytest.raises(EngineError, match="not implemented"):
-        engine_from_config(cfg, build_model(), lm_loss, world_size=1)
+    quantized = engine_from_config(cfg, build_model(), lm_loss, world_size=1)
+    assert (quantized.quant.weight_bits, quantized.quant.refresh_bits) == (8, 8)

@@ -122,14 +122,17 @@ class Checkpointer:
             tmp_pointer.write_text(final.name)
             os.replace(tmp_pointer, self.save_dir / "latest")
             _fsync_path(self.save_dir)
-            self._prune()
+            self._prune(iteration)
         self.barrier()
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
         if not self.keep_last_n:
             return
+        keep = f"global_step{newest}"
         for step in committed_steps(self.save_dir)[:-self.keep_last_n]:
+            if f"global_step{step}" == keep:  # a run saving below older steps never drops its own
+                continue
             shutil.rmtree(self.save_dir / f"global_step{step}", ignore_errors=True)
 
 

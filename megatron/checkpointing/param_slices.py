@@ -15,6 +15,7 @@ from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank
 
 FORMAT = "neox_topo/param_slices/1"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+PER_RANK = "error_feedback"  # an engine-state entry that belongs to one rank, not to the parameters
 
 
 def make_engine_state(pieces: list[dict], shapes: dict[str, tuple], step: int, extra: dict | None = None) -> dict:
@@ -48,11 +49,13 @@ def assemble(states, where: str = "the checkpoint") -> dict:
             raise CheckpointError(f"{where} has format {state.get('format')!r}, expected {FORMAT}")
         if shapes is None:
             shapes, step = state["shapes"], state["step"]
-            extra = {k: v for k, v in state.items() if k not in ("format", "step", "shapes", "pieces")}
+            extra = {k: v for k, v in state.items() if k not in ("format", "step", "shapes", "pieces", PER_RANK)}
             for name, shape in shapes.items():
                 numel = int(torch.Size(shape).numel())
                 full[name] = {key: torch.zeros(numel, dtype=torch.float32) for key in STATES}
                 covered[name] = torch.zeros(numel, dtype=torch.bool)
+        if PER_RANK in state:  # rank-local state (error-feedback residuals): kept per rank, in rank order
+            extra.setdefault(PER_RANK, []).append(state[PER_RANK])
         for piece in state["pieces"]:
             name, lo, n = piece["name"], piece["offset"], piece["length"]
             hi = lo + n

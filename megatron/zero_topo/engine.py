@@ -17,6 +17,11 @@ Hooks and the per-unit state machine (why each rule exists):
   recompute, keep the unit gathered for the backward that follows.
 - post-accumulate-grad hook on ``flat``: fires once per backward with the unit's summed gradient:
   reduce, accumulate, drop the gradient, release.
+
+Quantized collectives (``quant``, built by megatron/zero_topo/quantized.py): gathers move INT8
+messages, gradient hops become all-to-alls of INT4/INT8 messages with a fused dequantize-sum(-
+requantize), zeropp's reduction becomes qgZ (node hop, then rail hop), and the refresh's cross hop
+may move INT8; error-feedback residuals live on the units (``FlatUnit.residuals``).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
 from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
-from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
+from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages, qgz_swizzle
 from megatron.zero_topo import state_io
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -178,8 +183,8 @@ class ZeroTopoEngine:
             received, charges = self.qcomm.gather(full, unit.shard, weight, phase, bits)
             if self.hpz:  # world chunks l*N/R .. (l+1)*N/R - 1 make up node chunk l = r % R
                 per_chunk = weight.size // node.size
-                unit.secondary = self.qcomm.merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
-                                                           per_chunk, bits)
+                unit.secondary = merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
+                                                per_chunk, bits, self.quant.block)
         unit.gathered = True
         return charges
 

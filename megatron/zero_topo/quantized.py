@@ -1,0 +1,220 @@
+"""Quantized collectives of the engine (docs/engine.md, "Quantized collectives").
+
+- ``QuantSettings``: the effective bits of every quantizable phase, resolved once from the config
+  (DeepSpeed's booleans give the defaults, our per-phase ``*_bits`` override them).
+- Messages: a chunk of n elements travels as ONE uint8 buffer, its codes (n bytes at 8 bits, n/2 at
+  4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent.
+- ``QuantizedCollectives``: the weight gather (quantize own chunk, allgather messages, every member
+  dequantizes every chunk) and the gradient reduction (a chain of all-to-all hops, each followed by
+  the fused dequantize -> fp32 sum -> requantize kernel; the last hop ends in an fp32 sum), with
+  optional error feedback per hop. A reduction is never a quantized ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.ops.quant import DEFAULT_BLOCK, QuantizationError, codes_numel, get_quantizer
+from megatron.ops.quant.select import IMPLS
+from megatron.topology.groups import RankGroup
+from megatron.zero_topo.comm import Communicator
+from megatron.zero_topo.flat_unit import EngineError
+
+WEIGHT_BITS = (0, 8)      # weights and refresh: INT8 or not quantized
+GRAD_BITS = (0, 4, 8)     # gradient hops may also use packed INT4
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """Effective bits per phase (0 = compute dtype), block size, error feedback and kernels."""
+    weight_bits: int = 0      # fwd / bwd / recompute / eval gathers
+    grad_bits: int = 0        # micro-step reduction hops (weight, stride; zeropp: node, rail)
+    cross_bits: int = 0       # step-boundary cross-group hop
+    refresh_bits: int = 0     # refresh's cross-group allgather
+    block: int = DEFAULT_BLOCK
+    error_feedback: bool = False
+    impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (("weight_gather_bits", self.weight_bits, WEIGHT_BITS),
+                                    ("grad_reduce_bits", self.grad_bits, GRAD_BITS),
+                                    ("cross_node_grad_bits", self.cross_bits, GRAD_BITS),
+                                    ("refresh_bits", self.refresh_bits, WEIGHT_BITS)):
+            if value not in allowed:
+                raise EngineError(f"zero_optimization.{key} = {value!r} is not supported; use one of "
+                                  f"{', '.join(map(str, allowed))}")
+        if not isinstance(self.block, int) or self.block < 1:
+            raise EngineError("zero_optimization.quantization_block_size must be a positive integer, "
+                              f"got {self.block!r}")
+        if 4 in (self.grad_bits, self.cross_bits) and self.block % 2:
+            raise EngineError("INT4 packs two codes per byte: zero_optimization.quantization_block_size must be "
+                              f"even, got {self.block}")
+        if self.impl not in IMPLS:
+            raise EngineError(f"zero_optimization.quantization_impl must be one of {', '.join(IMPLS)}, "
+                              f"got {self.impl!r}")
+
+    @classmethod
+    def from_config(cls, zero) -> "QuantSettings":
+        """The one place the effective bits are derived from a ``ZeroConfig`` (docs/engine.md)."""
+        weights, grads = bool(zero.zero_quantized_weights), bool(zero.zero_quantized_gradients)
+        refresh = bool(zero.zero_quantized_refresh)
+
+        def pick(value: Optional[int], default: int) -> int:
+            return default if value is None else int(value)
+
+        grad_bits = pick(zero.grad_reduce_bits, 4 if grads else 0)
+        return cls(weight_bits=pick(zero.weight_gather_bits, 8 if weights else 0), grad_bits=grad_bits,
+                   cross_bits=pick(zero.cross_node_grad_bits, grad_bits),
+                   refresh_bits=pick(zero.refresh_bits, 8 if weights or refresh else 0),
+                   block=int(zero.quantization_block_size),
+                   error_feedback=bool(zero.quantization_error_feedback),
+                   impl=zero.quantization_impl)
+
+    @property
+    def enabled(self) -> bool:
+        """Any phase quantized: unit buffers are then padded to a multiple of N x block."""
+        return any((self.weight_bits, self.grad_bits, self.cross_bits, self.refresh_bits))
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        return (f"weights {self.weight_bits or '-'} / grads {self.grad_bits or '-'} / "
+                f"cross {self.cross_bits or '-'} / refresh {self.refresh_bits or '-'} bits, block {self.block}, "
+                f"error feedback {'on' if self.error_feedback else 'off'}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages: codes then scales, one uint8 buffer
+# ---------------------------------------------------------------------------------------------------
+
+def message_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of the message of a chunk of ``numel`` elements: ``numel x bits/8 + 4 numel/block``."""
+    return codes_numel(numel, bits) + 4 * (numel // block)
+
+
+def pack_messages(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """(codes, scales) of n elements -> k messages of n/k elements back to back (uint8, 1-D)."""
+    code_bytes = codes.view(torch.uint8).view(k, -1)
+    scale_bytes = scales.view(torch.uint8).view(k, -1)
+    return torch.cat([code_bytes, scale_bytes], dim=1).reshape(-1)
+
+
+def unpack_messages(buf: torch.Tensor, k: int, chunk_numel: int, bits: int, block: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k messages of ``chunk_numel`` elements -> (codes of all k chunks, their fp32 scales), in order."""
+    rows = buf.view(k, -1)
+    ncodes = codes_numel(chunk_numel, bits)
+    if rows.shape[1] != message_bytes(chunk_numel, bits, block):
+        raise EngineError(f"a quantized message holds {rows.shape[1]} bytes, expected "
+                          f"{message_bytes(chunk_numel, bits, block)} for {chunk_numel} elements")
+    codes = rows[:, :ncodes].reshape(-1).clone()
+    scales = rows[:, ncodes:].reshape(-1).clone().view(torch.float32)  # clone: aligned for the view
+    return (codes.view(torch.int8) if bits == 8 else codes), scales
+
+
+def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits: int, block: int) -> torch.Tensor:
+    """Messages ``first .. first+count-1`` of k received ones as ONE message of their concatenated
+    chunks: the same codes and scales, no re-quantization (zeropp's INT8 secondary copy)."""
+    rows = received.view(k, -1)[first:first + count].reshape(-1)
+    chunk_numel = _chunk_numel(rows.numel() // count, bits, block)
+    codes, scales = unpack_messages(rows, count, chunk_numel, bits, block)
+    return pack_messages(codes, scales, 1)
+
+
+class QuantizedCollectives:
+    """Quantized weight gathers and gradient reductions through ``comm`` (so the ledger sees them)."""
+
+    def __init__(self, comm: Communicator, settings: QuantSettings, device: torch.device):
+        self.comm, self.settings, self.block = comm, settings, settings.block
+        self.quantizer = get_quantizer(settings.impl, device)
+        # A reduction input held NaN/inf (fp16 overflow): it was sent as zeros so every rank keeps
+        # going; the engine turns this into an infinite norm and skips the step.
+        self.overflow = False
+
+    # -- encoding ---------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, bits: int, residual: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` (+ the error-feedback ``residual``, which becomes what this quantization lost)."""
+        x_in = x.float() + residual if residual is not None else x
+        try:
+            codes, scales = self.quantizer.quantize(x_in, bits, self.block)
+        except QuantizationError:
+            if bool(torch.isfinite(x_in).all()):
+                raise
+            self.overflow = True
+            x_in = torch.nan_to_num(x_in.float(), nan=0.0, posinf=0.0, neginf=0.0)
+            codes, scales = self.quantizer.quantize(x_in, bits, self.block)
+        if residual is not None:
+            residual.copy_(x_in - self.quantizer.dequantize(codes, scales, bits, self.block))
+        return codes, scales
+
+    def roundtrip(self, x: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        """dequantize(quantize(x)) in ``dtype``: what a member receives for ``x`` (x of whole blocks)."""
+        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block)
+        return self.quantizer.dequantize(codes, scales, bits, self.block, dtype=dtype)
+
+    def message(self, x: torch.Tensor, bits: int) -> torch.Tensor:
+        """One chunk of weights as its uint8 message (NaN/inf weights raise: they are never sent)."""
+        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block)
+        return pack_messages(codes, scales, 1)
+
+    # -- gathers ----------------------------------------------------------------------------------
+    def all_gather_messages(self, message: torch.Tensor, group: RankGroup, phase: str
+                            ) -> tuple[torch.Tensor, dict[str, int]]:
+        """Every member's message in member order (one allgather, B = k x message), and the charges."""
+        received = torch.empty(message.numel() * group.size, dtype=torch.uint8, device=message.device)
+        charges = self.comm.all_gather(received, message, group, phase)
+        return received, charges
+
+    def dequantize_into(self, out: torch.Tensor, received: torch.Tensor, k: int, bits: int) -> None:
+        """k received messages -> ``out`` (their chunks in order, in ``out``'s dtype)."""
+        codes, scales = unpack_messages(received, k, out.numel() // k, bits, self.block)
+        out.copy_(self.quantizer.dequantize(codes, scales, bits, self.block, dtype=out.dtype))
+
+    def gather(self, out: torch.Tensor, chunk: torch.Tensor, group: RankGroup, phase: str, bits: int
+               ) -> tuple[torch.Tensor, dict[str, int]]:
+        """Quantized allgather of ``chunk`` into ``out``; the owner dequantizes its own chunk too, so
+        every member holds identical values. Returns the received messages and the charges."""
+        received, charges = self.all_gather_messages(self.message(chunk, bits), group, phase)
+        self.dequantize_into(out, received, group.size, bits)
+        return received, charges
+
+    # -- reductions -------------------------------------------------------------------------------
+    def reduce(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
+               bits: int) -> torch.Tensor:
+        """Sum ``x`` over a chain of groups; at each hop this rank keeps the chunk of its member index.
+
+        ``hops``: (group, error-feedback residual of that hop's input or None), groups of one rank
+        left out by the caller. Each hop is an all-to-all of k messages of n/k elements; between
+        hops the fused dequantize-sum-requantize (which also applies the next hop's residual); the
+        last hop ends in the fp32 sum, which is returned (n / prod(k) elements).
+        """
+        if not hops:
+            return x.float()
+        codes, scales = self.encode(x, bits, hops[0][1])
+        numel = x.numel()
+        for i, (group, _residual) in enumerate(hops):
+            send = pack_messages(codes, scales, group.size)
+            received = torch.empty_like(send)
+            self.comm.all_to_all(received, send, group, phase)
+            numel //= group.size
+            codes_k, scales_k = unpack_messages(received, group.size, numel, bits, self.block)
+            if i + 1 < len(hops):  # the fused kernel also applies the next hop's residual
+                codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, bits, self.block,
+                                                                 residual=hops[i + 1][1])
+        return self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, bits, self.block)
+
+
+def _chunk_numel(message_nbytes: int, bits: int, block: int) -> int:
+    """Elements of a chunk whose message has ``message_nbytes`` bytes (inverse of message_bytes)."""
+    per_block = message_bytes(block, bits, block)
+    if message_nbytes % per_block:
+        raise EngineError(f"{message_nbytes} bytes is not a whole number of {bits}-bit blocks of {block}")
+    return message_nbytes // per_block * block
+
+
+def qgz_swizzle(x: torch.Tensor, nodes: int, ranks_per_node: int) -> torch.Tensor:
+    """Reorder N = nodes x R chunks so piece l (for local rank l) holds chunks ``n*R + l`` for every
+    node n: the first qgZ hop then leaves local rank l with its chunk of every node, in node order."""
+    return x.view(nodes, ranks_per_node, -1).transpose(0, 1).reshape(-1)
