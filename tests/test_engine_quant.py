@@ -52,7 +52,7 @@ def test_settings_derive_from_deepspeed_booleans_and_overrides():
     assert not derive(ZeroConfig()).enabled
     both = derive(ZeroConfig(zero_quantized_weights=True, zero_quantized_gradients=True))
     assert (both.weight_bits, both.grad_bits, both.cross_bits, both.refresh_bits) == (8, 4, 4, 8)
-    assert both.block == 2048 and both.impl == "auto" and not both.error_feedback
+    assert both.block == 256 and both.impl == "auto" and not both.error_feedback
     grads_only = derive(ZeroConfig(zero_quantized_gradients=True))
     bits = (grads_only.weight_bits, grads_only.grad_bits, grads_only.cross_bits, grads_only.refresh_bits)
     assert bits == (0, 4, 4, 0)
