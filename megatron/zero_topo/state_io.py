@@ -53,10 +53,14 @@ def full_optimizer_state(engine: "ZeroTopoEngine") -> dict:
 
 def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
     """This rank's fp32 master and moments as parameter pieces (megatron.checkpointing.param_slices);
-    no collective. Replicas write identical pieces; the loader checks they agree."""
+    no collective. Replicas hold identical slices, so only the first replica writes pieces (hsdp and
+    DDP checkpoints are then no larger than the model states)."""
     pieces, shapes = [], {}
+    first_replica = engine.groups.replica.index(engine.groups.rank) == 0
     for unit in engine.units:
         shapes.update({name: shape for name, _offset, _numel, shape in unit.layout()})
+        if not first_replica:
+            continue
         pos = 0  # the pieces sit back to back from the slice's first element
         for name, start, length in unit.slice_map():
             pieces.append({"name": name, "offset": start, "length": length,
