@@ -204,7 +204,7 @@ class ZeroTopoEngine:
         if self._in_backward:
             return
         if torch.is_grad_enabled():
-            for tensor in _tensors_in(output):
+            for tensor in state_io.tensors_within(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
         if unit.shardable:
@@ -392,13 +392,3 @@ class ZeroTopoEngine:
 
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.units)
-
-
-def _tensors_in(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    return []

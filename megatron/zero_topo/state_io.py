@@ -211,18 +211,19 @@ def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
 
     for unit in engine.units:
         for attr, value in vars(unit).items():
-            for tensor in _tensors_within(value):
+            for tensor in tensors_within(value):
                 add(CATEGORY_OF_ATTR.get(attr, "other"), tensor)
             if attr == "flat" and value.grad is not None:
                 add("other", value.grad)
     return totals
 
 
-def _tensors_within(value) -> list[torch.Tensor]:
+def tensors_within(value) -> list[torch.Tensor]:
+    """Every tensor in a tensor, or nested lists/tuples/dicts of them (unit outputs, unit attributes)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_within(v)]
+        return [t for v in value for t in tensors_within(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_within(v)]
+        return [t for v in value.values() for t in tensors_within(v)]
     return []
