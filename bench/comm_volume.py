@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.zero_topo.comm_model import (  # noqa: E402
-    FRONTIER, PHASES, CommSpec, QuantSpec, predict_ledger, simulate_step_time, transformer_block_units)
+    PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
+from megatron.zero_topo.comm_time import FRONTIER, simulate_step_time  # noqa: E402
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
 
 LABELS = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}

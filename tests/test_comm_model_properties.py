@@ -2,8 +2,8 @@
 import pytest
 
 from megatron.zero_topo.comm_model import (
-    FRONTIER, CommSpec, Hardware, TierLink, bytes_by_tier, domain_load_fractions, groups_of_kind, predict_ledger,
-    ring_hops, simulate_step_time, tier_between, transformer_block_units)
+    CommSpec, bytes_by_tier, groups_of_kind, predict_ledger, ring_hops, tier_between, transformer_block_units)
+from megatron.zero_topo.comm_time import FRONTIER, Hardware, TierLink, domain_load_fractions, simulate_step_time
 from megatron.zero_topo.memory_model import neox_unit_sizes
 
 UNITS = (1000, 3333, 3333, 3333, 777)

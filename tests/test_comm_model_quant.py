@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from megatron.zero_topo.comm_model import (
-    FRONTIER, CommModelError, CommSpec, QuantSpec, bytes_by_tier, domain_load_fractions, packed_message_bytes,
-    padded_unit_numels, predict_ledger, predict_ledger_per_rank, simulate_step_time, transformer_block_units)
+    CommModelError, CommSpec, QuantSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
+    predict_ledger_per_rank, transformer_block_units)
+from megatron.zero_topo.comm_time import FRONTIER, domain_load_fractions, simulate_step_time
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes
 
 UNITS = (100, 240, 240, 96)
