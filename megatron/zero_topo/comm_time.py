@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from megatron.zero_topo.comm_model import (ALLGATHER, ALL_TO_ALL, ALLREDUCE, Collective, CommModelError, CommSpec, PHASES, groups_of_kind, rank_coords, step_collectives)
+from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, PHASES, Collective, CommModelError,
+                                          CommSpec, groups_of_kind, rank_coords, step_collectives)
 
 
 @dataclass(frozen=True)
