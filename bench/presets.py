@@ -4,6 +4,7 @@ model's prediction for the same run.
 
     .venv/bin/python bench/presets.py                      # tiny-cpu.yml on 2x2x2, 12 steps each
     .venv/bin/python bench/presets.py --layout sim-2x2 --steps 20 --markdown
+    .venv/bin/python bench/presets.py --compare-prefetch   # each preset also with prefetch_gathers=false
 
 Step time is the median `runtime/iteration_time` over the steps after the first two (warm-up) from
 each run's metrics.jsonl; the baseline is the same model and global batch on one process, measured
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--compare-prefetch", action="store_true",
+                   help="also run every preset with zero_optimization.prefetch_gathers=false; adds the "
+                        "ratio of the step time without prefetch to the step time with it")
     p.add_argument("--set", dest="sets", action="append", default=[],
                    help="extra config overrides for every run, e.g. zero_optimization.zero_quantized_gradients=true")
     args = p.parse_args(argv)
@@ -91,10 +95,16 @@ def main(argv=None) -> int:
             measured = {t: statistics.median(r[f"comm/bytes/{t}"] for r in records[1:]) for t in TIERS}
             predicted = predicted_per_step(files, sets, PRESETS[name])
             step = median_time(records)
-            rows.append([name, f"{step * 1000:.0f}", f"{step / baseline:.2f}"]
-                        + [f"{measured[t]:,.0f}" + ("" if measured[t] == predicted[t] else f" (model {predicted[t]:,})")
-                           for t in TIERS])
-    header = ["preset", "step ms", "x single", *(f"{t} B/step" for t in TIERS)]
+            row = [name, f"{step * 1000:.0f}", f"{step / baseline:.2f}"]
+            if args.compare_prefetch:
+                plain = median_time(run(files, sets + ["zero_optimization.prefetch_gathers=false"],
+                                        Path(tmp) / f"{name}-no-prefetch"))
+                row += [f"{plain / baseline:.2f}", f"{plain / step:.2f}"]
+            rows.append(row + [f"{measured[t]:,.0f}" + ("" if measured[t] == predicted[t] else f" (model {predicted[t]:,})")
+                               for t in TIERS])
+    header = ["preset", "step ms", "x single", *(["no prefetch x single", "no prefetch / prefetch"]
+                                                 if args.compare_prefetch else []),
+              *(f"{t} B/step" for t in TIERS)]
     print(f"{args.config} on {args.layout}, {args.steps} steps; single-process step {baseline * 1000:.0f} ms "
           "(same global batch); bytes are all ranks' sends per optimizer step (ledger; equal to the model "
           "unless a model value is shown)")

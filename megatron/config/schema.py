@@ -177,6 +177,8 @@ class ZeroConfig:
                                       key="zero_optimization.refresh_bits", choices=(0, 8))
     quantization_impl: str = doc("auto", "Quantization kernels: auto (triton on GPUs, C++ on CPU), reference (plain torch), cpp or triton; one that cannot run here falls back to reference with a notice.",
                                  key="zero_optimization.quantization_impl", choices=("auto", "reference", "cpp", "triton"))
+    prefetch_gathers: bool = doc(True, "Issue each unit's weight gather asynchronously one unit early (forward: while the previous unit computes; backward: while the next one does), so communication overlaps compute; at most two units are gathered at once. The bytes sent do not change. false: every gather waits in its own unit's hook.",
+                                 key="zero_optimization.prefetch_gathers")
     resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
                                            key="zero_optimization.resolved_factors", derived=True)
     resolved_preset: Optional[str] = doc(None, "Derived: what the factors are called: ddp, zero1, zero2, zero3, hsdp, zeropp, zero_topo or custom.",

@@ -58,14 +58,21 @@ class Communicator:
     # -- collectives --------------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Member i's ``inp`` lands in chunk i of the flat ``out``; returns the charges {tier: bytes}."""
+        charges, pending = self.start_all_gather(out, inp, group, phase)
+        pending.wait()
+        return charges
+
+    def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
+                         ) -> tuple[dict[str, int], "Pending"]:
+        """``all_gather`` issued asynchronously: charged now (bytes leave whether or not anyone waits),
+        ``out`` valid after ``wait()``. ``inp`` and ``out`` must stay untouched until then."""
         if out.numel() != inp.numel() * group.size:
             raise CommError(f"all_gather: output has {out.numel()} elements, expected {group.size} x {inp.numel()}")
         if group.size == 1:
             _copy_unless_same(out, inp)
-            return {}
+            return {}, Pending(None)
         charges = self.charge("all_gather", _nbytes(out), group, phase)
-        compat.all_gather_tensor(out, inp, group=group.handle)
-        return charges
+        return charges, Pending(compat.all_gather_tensor(out, inp, group=group.handle, async_op=True))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Sum ``inp`` over the members; member i gets chunk i in ``out``."""
@@ -104,6 +111,19 @@ class Communicator:
         """World barrier (no payload, not charged); used around checkpoint commits."""
         if self.groups.world.size > 1:
             dist.barrier()
+
+
+class Pending:
+    """An issued collective (or a local copy already done): ``wait()`` before reading its output.
+    On GPUs the wait orders the current stream after the collective's stream."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 def _nbytes(t: torch.Tensor) -> int:

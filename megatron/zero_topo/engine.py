@@ -17,6 +17,11 @@ Hooks and the per-unit state machine (why each rule exists):
   recompute, keep the unit gathered for the backward that follows.
 - post-accumulate-grad hook on ``flat``: fires once per backward with the unit's summed gradient:
   reduce, accumulate, drop the gradient, release.
+- prefetch (``prefetch=True``): each hook that gathers a unit also issues, asynchronously, the gather
+  of the unit that runs next (forward: the next unit; backward and recompute: the previous one; see
+  prefetch.py). It is charged when issued, under the phase it would have had, and waited for in that
+  unit's own hook, so the ledger is unchanged; at most two sharded units are gathered or in flight.
+  Every pass ends with ``_drain``: nothing stays in flight or gathered.
 
 Quantized collectives (``quant``, built by megatron/zero_topo/quantized.py): gathers move INT8
 messages, gradient hops become all-to-alls of INT4/INT8 messages with a fused dequantize-sum(-
@@ -27,17 +32,29 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
-from megatron.zero_topo.comm import Communicator
+from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
+from megatron.zero_topo.prefetch import PassOrder
 from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
 from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages, qgz_swizzle
 from megatron.zero_topo import state_io
+
+@dataclass
+class InflightGather:
+    """A unit's issued gather: wait on ``pending``, then ``finish`` (dequantize, keep zeropp's
+    secondary). ``source`` keeps the sent buffer alive until the wait."""
+    pending: Pending
+    charges: dict
+    finish: Optional[Callable[[], None]]
+    source: torch.Tensor
+
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
 COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -50,7 +67,7 @@ class ZeroTopoEngine:
     def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
                  preset: Optional[str] = None, *, fp32_allreduce: bool = False,
-                 quant: Optional[QuantSettings] = None):
+                 quant: Optional[QuantSettings] = None, prefetch: bool = True):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -78,6 +95,8 @@ class ZeroTopoEngine:
         self._in_backward = False      # inside our own backward(): a unit forward is a recompute
         self._forward_phase = "eval_gather"
         self.units = self._build_units(model, units, n)
+        self.prefetch = prefetch       # issue the next unit's gather early (prefetch.py)
+        self.order = PassOrder(len(self.units))
         self.qcomm = QuantizedCollectives(comm, self.quant, self.device) if self.quant.enabled else None
         self._allocate_residuals()
         self._hooks = [h for u in self.units for h in self._install_hooks(u)]
@@ -156,48 +175,100 @@ class ZeroTopoEngine:
                                   "seed the model identically on every rank")
 
     # -- gathers and releases -----------------------------------------------------------------------
-    def _gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
-        if self.quant.weight_bits:
-            return self._gather_quantized(unit, phase)
+    def _start_gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
+        """Issue the unit's gather (charged now); ``_finish_gather`` waits for it. Returns the charges."""
         full = unit.allocate()
-        if self.hpz and unit.secondary is not None:
-            charges = self.comm.all_gather(full, unit.secondary, self.groups.node, phase)
+        finish = None
+        if self.quant.weight_bits:
+            received, charges, pending, finish = self._start_gather_quantized(unit, full, phase)
+            keep = received
+        elif self.hpz and unit.secondary is not None:
+            charges, pending = self.comm.start_all_gather(full, unit.secondary, self.groups.node, phase)
+            keep = unit.secondary
         else:
-            charges = self.comm.all_gather(full, unit.shard, self.groups.weight, phase)
+            charges, pending = self.comm.start_all_gather(full, unit.shard, self.groups.weight, phase)
+            keep = unit.shard
             if self.hpz:  # first gather after a step: keep this node's secondary chunk
                 r, per_node = self.groups.rank, self.groups.node.size
                 step = unit.size // per_node
-                unit.secondary = full[(r % per_node) * step: (r % per_node + 1) * step].clone()
-        unit.gathered = True
+                finish = lambda: setattr(unit, "secondary", full[(r % per_node) * step: (r % per_node + 1) * step].clone())
+        unit.inflight = InflightGather(pending, charges, finish, keep)
         return charges
 
-    def _gather_quantized(self, unit: FlatUnit, phase: str) -> dict[str, int]:
-        """INT8 gather: allgather of packed messages, every member dequantizes all chunks (zeropp:
+    def _start_gather_quantized(self, unit: FlatUnit, full: torch.Tensor, phase: str):
+        """INT8 gather: allgather of packed messages, then every member dequantizes all chunks (zeropp:
         the secondary copy is this node chunk's messages, kept packed)."""
-        full, bits, node = unit.allocate(), self.quant.weight_bits, self.groups.node
+        bits, node, weight = self.quant.weight_bits, self.groups.node, self.groups.weight
         if self.hpz and unit.secondary is not None:
-            received, charges = self.qcomm.all_gather_messages(unit.secondary, node, phase)
-            self.qcomm.dequantize_into(full, received, node.size, bits)
-        else:
-            weight = self.groups.weight
-            received, charges = self.qcomm.gather(full, unit.shard, weight, phase, bits)
+            received, charges, pending = self.qcomm.start_all_gather_messages(unit.secondary, node, phase)
+            return received, charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
+        received, charges, pending = self.qcomm.start_all_gather_messages(self.qcomm.message(unit.shard, bits),
+                                                                          weight, phase)
+
+        def finish() -> None:
+            self.qcomm.dequantize_into(full, received, weight.size, bits)
             if self.hpz:  # world chunks l*N/R .. (l+1)*N/R - 1 make up node chunk l = r % R
                 per_chunk = weight.size // node.size
                 unit.secondary = merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
                                                 per_chunk, bits, self.quant.block)
+        return received, charges, pending, finish
+
+    def _finish_gather(self, unit: FlatUnit) -> dict[str, int]:
+        inflight, unit.inflight = unit.inflight, None
+        inflight.pending.wait()
+        if inflight.finish is not None:
+            inflight.finish()
         unit.gathered = True
-        return charges
+        return inflight.charges
+
+    def _gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
+        """Gather now: finish an in-flight (prefetched) gather, else issue one and wait for it."""
+        if unit.inflight is None:
+            self._start_gather(unit, phase)
+        return self._finish_gather(unit)
+
+    def _start_backward_gather(self, unit: FlatUnit) -> None:
+        """A backward gather is charged ``bwd_gather`` until the unit is seen recomputing."""
+        phase = "recompute_gather" if unit.recomputes else "bwd_gather"
+        charges = self._start_gather(unit, phase)
+        unit.pending_bwd_charges = charges if phase == "bwd_gather" else None
+
+    def _prefetch(self, index: Optional[int], backward: bool) -> None:
+        """Issue unit ``index``'s gather now (megatron/zero_topo/prefetch.py says which unit); it is
+        waited for when the unit needs it."""
+        if index is None or not self.prefetch:
+            return
+        unit = self.units[index]
+        if unit.gathered or unit.inflight is not None:
+            return
+        if backward:
+            self._start_backward_gather(unit)
+        else:
+            self._start_gather(unit, self._forward_phase)
+
+    def _drain(self) -> None:
+        """End of a pass: no gather stays in flight and no sharded unit stays gathered."""
+        for unit in self.units:
+            unit.pending_bwd_charges = None
+            if unit.inflight is not None:
+                self._finish_gather(unit)
+            if unit.shardable and unit.gathered:
+                unit.release()
 
     def _pre_forward(self, unit: FlatUnit) -> None:
-        if self._in_backward:
+        if self._in_backward:  # autograd recomputing a checkpointed unit
             if not unit.gathered:
                 self._gather(unit, "recompute_gather")
-            elif unit.pending_bwd_charges is not None:
+            if unit.pending_bwd_charges is not None:
                 self.ledger.move(unit.pending_bwd_charges, "bwd_gather", "recompute_gather")
-            unit.pending_bwd_charges = None
+                unit.pending_bwd_charges = None
             unit.recomputes = True
-        elif not unit.gathered:
-            self._gather(unit, self._forward_phase)
+            self._prefetch(self.order.before(unit.index), backward=True)
+        else:
+            self.order.visit(unit.index)
+            if not unit.gathered:
+                self._gather(unit, self._forward_phase)
+            self._prefetch(self.order.after(unit.index), backward=False)
         unit.set_views()
 
     def _post_forward(self, unit: FlatUnit, output) -> None:
@@ -211,16 +282,19 @@ class ZeroTopoEngine:
             unit.release()
 
     def _pre_backward(self, unit: FlatUnit) -> None:
-        if unit.gathered:
+        if unit.index in self.order.reduced:
             return
-        phase = "recompute_gather" if unit.recomputes else "bwd_gather"
-        charges = self._gather(unit, phase)
-        unit.pending_bwd_charges = charges if phase == "bwd_gather" else None
+        if not unit.gathered:
+            if unit.inflight is None:
+                self._start_backward_gather(unit)
+            self._finish_gather(unit)
+        self._prefetch(self.order.before(unit.index), backward=True)
 
     def _post_accumulate(self, unit: FlatUnit) -> None:
         grad = unit.flat.grad
         unit.flat.grad = None
         unit.pending_bwd_charges = None
+        self.order.reduced.add(unit.index)
         self._reduce_gradient(unit, grad)
         if unit.shardable:
             unit.release()
@@ -289,26 +363,30 @@ class ZeroTopoEngine:
                               f"(gradient_accumulation_steps = {self.accumulation_steps})")
         self.model.train()
         self._forward_phase = "fwd_gather"
+        self.order.begin()
         try:
             with self._autocast():
                 loss = self.loss_fn(self.model, batch)
+            self.order.end_forward()
             self._in_backward = True
             (loss * self.loss_scale.scale if self.loss_scale.enabled else loss).backward()
         finally:
             self._in_backward = False
             self._forward_phase = "eval_gather"
-        for unit in self.units:  # a unit that took no part in backward must not stay gathered
-            unit.pending_bwd_charges = None
-            if unit.shardable and unit.gathered:
-                unit.release()
+            self._drain()  # also a unit that took no part in backward must not stay gathered
         self.micro_count += 1
         return loss.detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> torch.Tensor:
         self.model.eval()
-        with self._autocast():
-            return self.loss_fn(self.model, batch).detach()
+        self.order.begin()
+        try:
+            with self._autocast():
+                return self.loss_fn(self.model, batch).detach()
+        finally:
+            self.order.end_forward()
+            self._drain()
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> dict:

@@ -19,7 +19,7 @@ import torch
 from megatron.ops.quant import DEFAULT_BLOCK, QuantizationError, codes_numel, get_quantizer
 from megatron.ops.quant.select import IMPLS
 from megatron.topology.groups import RankGroup
-from megatron.zero_topo.comm import Communicator
+from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError
 
 WEIGHT_BITS = (0, 8)      # weights and refresh: INT8 or not quantized
@@ -163,9 +163,16 @@ class QuantizedCollectives:
     def all_gather_messages(self, message: torch.Tensor, group: RankGroup, phase: str
                             ) -> tuple[torch.Tensor, dict[str, int]]:
         """Every member's message in member order (one allgather, B = k x message), and the charges."""
-        received = torch.empty(message.numel() * group.size, dtype=torch.uint8, device=message.device)
-        charges = self.comm.all_gather(received, message, group, phase)
+        received, charges, pending = self.start_all_gather_messages(message, group, phase)
+        pending.wait()
         return received, charges
+
+    def start_all_gather_messages(self, message: torch.Tensor, group: RankGroup, phase: str
+                                  ) -> tuple[torch.Tensor, dict[str, int], Pending]:
+        """``all_gather_messages`` issued asynchronously: ``received`` is valid after ``wait()``."""
+        received = torch.empty(message.numel() * group.size, dtype=torch.uint8, device=message.device)
+        charges, pending = self.comm.start_all_gather(received, message, group, phase)
+        return received, charges, pending
 
     def dequantize_into(self, out: torch.Tensor, received: torch.Tensor, k: int, bits: int) -> None:
         """k received messages -> ``out`` (their chunks in order, in ``out``'s dtype)."""

@@ -34,4 +34,5 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     accumulation = cfg.training.gradient_accumulation_steps or 1
     return ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=preset,
-                          fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant)
+                          fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
+                          prefetch=bool(zero.prefetch_gathers))
