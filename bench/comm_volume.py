@@ -109,11 +109,13 @@ def main(argv=None) -> None:
             inter = totals[tiers.index("inter_node")]
             summary.append([name, str(a), f"{inter / GB:.2f}", f"{inter / params:.3f}",
                             f"{inter / params / a:.3f}", f"{memory / GB:.1f}",
-                            f"{time.compute_s:.2f}", f"{time.comm_total_s:.2f}"])
+                            f"{time.compute_s:.2f}", f"{time.comm_total_s:.2f}", f"{time.no_overlap_s:.2f}",
+                            f"{time.prefetch_s:.2f}"])
     heading("summary (inter-node GB per rank per step; x P = / parameters; states = model states per rank;"
-            " times from the Frontier link model, no overlap assumed)", args.markdown)
-    print(table(["preset", "A", "inter GB", "x P", "x P / micro-step", "states GB", "compute s", "comm s"],
-                summary, args.markdown))
+            " times from the Frontier link model: step s = compute + comm, nothing overlapped; prefetch s ="
+            " the weight gathers hidden behind compute, as prefetch_gathers does)", args.markdown)
+    print(table(["preset", "A", "inter GB", "x P", "x P / micro-step", "states GB", "compute s", "comm s",
+                 "step s", "prefetch s"], summary, args.markdown))
 
 
 if __name__ == "__main__":

@@ -122,3 +122,20 @@ def test_zero_topo_is_faster_than_zero3_across_slow_links():
              for p in ("stage3", "zero_topo")}
     assert times["zero_topo"].comm_total_s < times["stage3"].comm_total_s
     assert times["zero_topo"].compute_s == times["stage3"].compute_s
+
+
+def test_prefetch_hides_only_the_weight_gathers():
+    units = neox_unit_sizes(4, 512, 8, 1024)
+    for preset, gathers in (("stage3", True), ("zero_topo", True), ("stage1", False)):
+        t = simulate_step_time(CommSpec(units, (4, 4, 2), preset=preset, micro_batches=2, compute_bytes=2),
+                               FRONTIER, tokens_per_micro_batch=2048)
+        hidden = sum(s for p, s in t.comm_s.items() if p.endswith("_gather"))
+        assert (hidden > 0) == gathers
+        assert t.full_overlap_s <= t.prefetch_s <= t.no_overlap_s
+        assert t.prefetch_s == pytest.approx(t.no_overlap_s - min(hidden, t.compute_s))
+    # A compute too short to hide the gathers behind: the gathers are the critical path.
+    fast_compute = Hardware(links=FRONTIER.links, peak_flops=FRONTIER.peak_flops * 1e6, mfu=FRONTIER.mfu)
+    t = simulate_step_time(CommSpec(units, (4, 4, 2), preset="stage3", compute_bytes=2), fast_compute, 2048)
+    gathers = t.comm_s["fwd_gather"] + t.comm_s["bwd_gather"]
+    assert t.prefetch_s == pytest.approx(t.comm_total_s)
+    assert gathers > t.compute_s

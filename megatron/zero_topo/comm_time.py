@@ -40,6 +40,10 @@ FRONTIER = Hardware(
     peak_flops=191.5e12, mfu=0.4)
 
 
+# The phases whose collectives prefetching overlaps with compute (docs/engine.md, "Prefetch").
+GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather", "eval_gather")
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float
@@ -59,6 +63,13 @@ class StepTime:
     def full_overlap_s(self) -> float:
         """Lower bound: communication hides entirely behind compute, or the reverse."""
         return max(self.compute_s, self.comm_total_s)
+
+    @property
+    def prefetch_s(self) -> float:
+        """The engine with prefetch_gathers: the weight gathers run behind compute (each is issued
+        one unit early); the gradient reductions, the step boundary and control do not overlap."""
+        gathers = sum(self.comm_s.get(p, 0.0) for p in GATHER_PHASES)
+        return max(self.compute_s, gathers) + self.comm_total_s - gathers
 
 
 def domain_load_fractions(kind: str, spec: CommSpec, op: str = ALLGATHER) -> dict:

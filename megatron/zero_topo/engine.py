@@ -180,8 +180,7 @@ class ZeroTopoEngine:
         full = unit.allocate()
         finish = None
         if self.quant.weight_bits:
-            received, charges, pending, finish = self._start_gather_quantized(unit, full, phase)
-            keep = received
+            keep, charges, pending, finish = self._start_gather_quantized(unit, full, phase)
         elif self.hpz and unit.secondary is not None:
             charges, pending = self.comm.start_all_gather(full, unit.secondary, self.groups.node, phase)
             keep = unit.secondary
@@ -189,9 +188,11 @@ class ZeroTopoEngine:
             charges, pending = self.comm.start_all_gather(full, unit.shard, self.groups.weight, phase)
             keep = unit.shard
             if self.hpz:  # first gather after a step: keep this node's secondary chunk
-                r, per_node = self.groups.rank, self.groups.node.size
+                local, per_node = self.groups.rank % self.groups.node.size, self.groups.node.size
                 step = unit.size // per_node
-                finish = lambda: setattr(unit, "secondary", full[(r % per_node) * step: (r % per_node + 1) * step].clone())
+
+                def finish() -> None:
+                    unit.secondary = full[local * step: (local + 1) * step].clone()
         unit.inflight = InflightGather(pending, charges, finish, keep)
         return charges
 
@@ -200,10 +201,11 @@ class ZeroTopoEngine:
         the secondary copy is this node chunk's messages, kept packed)."""
         bits, node, weight = self.quant.weight_bits, self.groups.node, self.groups.weight
         if self.hpz and unit.secondary is not None:
-            received, charges, pending = self.qcomm.start_all_gather_messages(unit.secondary, node, phase)
-            return received, charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
-        received, charges, pending = self.qcomm.start_all_gather_messages(self.qcomm.message(unit.shard, bits),
-                                                                          weight, phase)
+            message = unit.secondary
+            received, charges, pending = self.qcomm.start_all_gather_messages(message, node, phase)
+            return message, charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
+        message = self.qcomm.message(unit.shard, bits)
+        received, charges, pending = self.qcomm.start_all_gather_messages(message, weight, phase)
 
         def finish() -> None:
             self.qcomm.dequantize_into(full, received, weight.size, bits)
@@ -211,7 +213,7 @@ class ZeroTopoEngine:
                 per_chunk = weight.size // node.size
                 unit.secondary = merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
                                                 per_chunk, bits, self.quant.block)
-        return received, charges, pending, finish
+        return message, charges, pending, finish
 
     def _finish_gather(self, unit: FlatUnit) -> dict[str, int]:
         inflight, unit.inflight = unit.inflight, None
