@@ -65,14 +65,15 @@ class Communicator:
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
                          ) -> tuple[dict[str, int], "Pending"]:
         """``all_gather`` issued asynchronously: charged now (bytes leave whether or not anyone waits),
-        ``out`` valid after ``wait()``. ``inp`` and ``out`` must stay untouched until then."""
+        ``out`` valid after ``wait()``. ``inp`` and ``out`` must stay untouched until then (the handle
+        keeps both alive)."""
         if out.numel() != inp.numel() * group.size:
             raise CommError(f"all_gather: output has {out.numel()} elements, expected {group.size} x {inp.numel()}")
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
         charges = self.charge("all_gather", _nbytes(out), group, phase)
-        return charges, Pending(compat.all_gather_tensor(out, inp, group=group.handle, async_op=True))
+        return charges, Pending(compat.all_gather_tensor(out, inp, group=group.handle, async_op=True), inp, out)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Sum ``inp`` over the members; member i gets chunk i in ``out``."""
@@ -115,15 +116,16 @@ class Communicator:
 
 class Pending:
     """An issued collective (or a local copy already done): ``wait()`` before reading its output.
-    On GPUs the wait orders the current stream after the collective's stream."""
+    On GPUs the wait orders the current stream after the collective's stream. Until then it holds
+    the collective's buffers, so a caller's temporary send buffer cannot be freed under it."""
 
-    def __init__(self, work):
-        self._work = work
+    def __init__(self, work, *buffers: torch.Tensor):
+        self._work, self._buffers = work, buffers
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
-            self._work = None
+            self._work, self._buffers = None, ()
 
 
 def _nbytes(t: torch.Tensor) -> int:

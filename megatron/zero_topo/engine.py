@@ -41,19 +41,18 @@ from torch import nn
 from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
 from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
-from megatron.zero_topo.prefetch import PassOrder
 from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
+from megatron.zero_topo.prefetch import PassOrder
 from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages, qgz_swizzle
 from megatron.zero_topo import state_io
 
+
 @dataclass
 class InflightGather:
-    """A unit's issued gather: wait on ``pending``, then ``finish`` (dequantize, keep zeropp's
-    secondary). ``source`` keeps the sent buffer alive until the wait."""
+    """A unit's issued gather: wait on ``pending``, then ``finish`` (dequantize, keep zeropp's secondary)."""
     pending: Pending
     charges: dict
     finish: Optional[Callable[[], None]]
-    source: torch.Tensor
 
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -180,20 +179,18 @@ class ZeroTopoEngine:
         full = unit.allocate()
         finish = None
         if self.quant.weight_bits:
-            keep, charges, pending, finish = self._start_gather_quantized(unit, full, phase)
+            charges, pending, finish = self._start_gather_quantized(unit, full, phase)
         elif self.hpz and unit.secondary is not None:
             charges, pending = self.comm.start_all_gather(full, unit.secondary, self.groups.node, phase)
-            keep = unit.secondary
         else:
             charges, pending = self.comm.start_all_gather(full, unit.shard, self.groups.weight, phase)
-            keep = unit.shard
             if self.hpz:  # first gather after a step: keep this node's secondary chunk
                 local, per_node = self.groups.rank % self.groups.node.size, self.groups.node.size
                 step = unit.size // per_node
 
                 def finish() -> None:
                     unit.secondary = full[local * step: (local + 1) * step].clone()
-        unit.inflight = InflightGather(pending, charges, finish, keep)
+        unit.inflight = InflightGather(pending, charges, finish)
         return charges
 
     def _start_gather_quantized(self, unit: FlatUnit, full: torch.Tensor, phase: str):
@@ -201,11 +198,10 @@ class ZeroTopoEngine:
         the secondary copy is this node chunk's messages, kept packed)."""
         bits, node, weight = self.quant.weight_bits, self.groups.node, self.groups.weight
         if self.hpz and unit.secondary is not None:
-            message = unit.secondary
-            received, charges, pending = self.qcomm.start_all_gather_messages(message, node, phase)
-            return message, charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
-        message = self.qcomm.message(unit.shard, bits)
-        received, charges, pending = self.qcomm.start_all_gather_messages(message, weight, phase)
+            received, charges, pending = self.qcomm.start_all_gather_messages(unit.secondary, node, phase)
+            return charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
+        received, charges, pending = self.qcomm.start_all_gather_messages(self.qcomm.message(unit.shard, bits),
+                                                                          weight, phase)
 
         def finish() -> None:
             self.qcomm.dequantize_into(full, received, weight.size, bits)
@@ -213,7 +209,7 @@ class ZeroTopoEngine:
                 per_chunk = weight.size // node.size
                 unit.secondary = merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
                                                 per_chunk, bits, self.quant.block)
-        return message, charges, pending, finish
+        return charges, pending, finish
 
     def _finish_gather(self, unit: FlatUnit) -> dict[str, int]:
         inflight, unit.inflight = unit.inflight, None
