@@ -3,6 +3,7 @@
 
     python deepy.py train.py configs/tiny-cpu.yml [more.yml ...] [--set KEY=VALUE ...] [-- script args]
     python deepy.py --print-config configs/tiny-cpu.yml configs/sim-2x2x2.yml [--set ...]
+    python deepy.py --dry-run configs/20B.yml configs/frontier.yml configs/zero_topo.yml configs/local_setup.yml
 
 The validated config is written once as JSON (under log_dir) and every rank runs
 `train.py --neox-config-json PATH`; ranks never re-parse YAML. Mistakes end with one line on
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron.config import (ConfigError, NeoXConfig, config_to_dict, external_world_size_error, load_config,
+from megatron.config import (ConfigError, NeoXConfig, config_to_dict, launch_environment_error, load_config,
                              save_config_json, world_size_of)
 from megatron.launcher import launch
 
@@ -37,13 +38,17 @@ _ConfigDumper.add_representer(
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        raise ConfigError(f"{message}; usage: deepy.py [--print-config] [train.py] CONFIG.yml ... [--set KEY=VALUE]")
+        raise ConfigError(f"{message}; usage: deepy.py [--print-config | --dry-run] [train.py] CONFIG.yml ... [--set KEY=VALUE]")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="deepy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--print-config", action="store_true",
                    help="print the merged, validated, derived config as YAML and exit (reads no data, touches no device)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, then print the command line(s) and environment the launch would use, the "
+                        "rank layout, the (w, g, os) groups and the tier each spans, the parameter count and "
+                        "model-state memory per device; start and write nothing")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override after merging; dotted keys reach into dicts (zero_optimization.stage=3); repeatable")
     p.add_argument("-d", "--conf_dir", default=None, help="directory the config file names are relative to (NeoX's -d)")
@@ -71,13 +76,19 @@ def render_config(cfg: NeoXConfig) -> str:
     return header + yaml.dump(data, Dumper=_ConfigDumper, sort_keys=False, default_flow_style=False, width=100)
 
 
-def write_run_config(cfg: NeoXConfig) -> Path:
-    """The JSON every rank reads: <log_dir>/neox_config_<time>_<pid>.json, else a temp dir."""
+def run_config_path(cfg: NeoXConfig) -> Path:
+    """Where the JSON every rank reads goes: <log_dir>/neox_config_<time>_<pid>.json."""
     name = f"neox_config_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}.json"
+    return (Path(cfg.logging.log_dir) / name).resolve()
+
+
+def write_run_config(cfg: NeoXConfig) -> Path:
+    """Write the run's JSON at run_config_path, else (log_dir not writable) in a temp dir."""
+    path = run_config_path(cfg)
     try:
-        return save_config_json(cfg, Path(cfg.logging.log_dir) / name).resolve()
+        return save_config_json(cfg, path)
     except OSError:
-        return save_config_json(cfg, Path(tempfile.mkdtemp(prefix="neox_config_")) / name).resolve()
+        return save_config_json(cfg, Path(tempfile.mkdtemp(prefix="neox_config_")) / path.name).resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,21 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(ours)
     positional = list(args.args)
     script = positional.pop(0) if positional and positional[0].endswith(".py") else None
+    if script is None and args.dry_run:
+        script = "train.py"
     if script is None and not args.print_config:
         raise ConfigError("no training script given; usage: deepy.py train.py CONFIG.yml ... "
                           "(or deepy.py --print-config CONFIG.yml ...)")
-    if script is not None and not args.print_config and not Path(script).is_file():
+    if script is not None and not args.print_config and not args.dry_run and not Path(script).is_file():
         raise ConfigError(f"training script not found: {script}")
     configs = [str(Path(args.conf_dir) / c) if args.conf_dir else c for c in positional]
     if not configs:
         configs = [str(DEFAULT_CONFIG)]
         print(f"notice: no config file given: using {DEFAULT_CONFIG}", file=sys.stderr)
     cfg = load_config(configs, args.overrides)
-    problem = external_world_size_error(cfg, os.environ)
+    problem = launch_environment_error(cfg, os.environ)
     if problem:
         raise ConfigError(problem)
     if args.print_config:
         sys.stdout.write(render_config(cfg))
+        return 0
+    if args.dry_run:
+        from megatron.dry_run import render_dry_run
+        from megatron.launcher import plan_launch
+        from megatron.zero_topo.model_inputs import padded_vocab_of
+        plan = plan_launch(cfg, script, str(run_config_path(cfg)), script_args, os.environ)
+        sys.stdout.write(render_dry_run(cfg, plan, os.environ, padded_vocab_of(cfg)))
         return 0
     path = write_run_config(cfg)
     print(f"deepy: {world_size_of(cfg)} rank(s), launcher {cfg.launcher.launcher}, "

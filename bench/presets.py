@@ -24,11 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron.config import load_config  # noqa: E402
-from megatron.model.sizes import unit_parameter_counts  # noqa: E402
-from megatron.zero_topo.comm_model import CommSpec, QuantSpec, predict_ledger, transformer_block_units  # noqa: E402
+from megatron.zero_topo.comm_model import predict_ledger  # noqa: E402
+from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
 
-PRESETS = {"ddp": "stage0", "zero1": "stage1", "zero2": "stage2", "zero3": "stage3", "hsdp": "hsdp",
-           "zeropp": "zeropp", "zero_topo": "zero_topo"}
+PRESETS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "zeropp", "zero_topo")  # configs/<name>.yml
 TIERS = ("intra_gpu", "intra_node", "inter_node")
 
 
@@ -44,25 +43,12 @@ def run(config_files: list[str], sets: list[str], workdir: Path) -> list[dict]:
             if "train/lm_loss" in line]
 
 
-def predicted_per_step(cfg_paths: list[str], sets: list[str], preset: str) -> dict[str, int]:
+def predicted_per_step(cfg_paths: list[str], sets: list[str]) -> dict[str, int]:
+    """The comm model's bytes per optimizer step by tier for the run these files and sets describe."""
     cfg = load_config(cfg_paths, sets, notices=[])
-    vocab = cfg.model.padded_vocab_size
-    if vocab is None:  # the demo tokenizer's vocab, padded (tokenizer.json is built by the first run)
-        from megatron.config import pad_vocab_size
-        from megatron.data import build_tokenizer
-        vocab = pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
-    units = unit_parameter_counts(cfg.model, vocab)
-    zero = cfg.zero
-    quant = QuantSpec.from_settings(zero.zero_quantized_weights, zero.zero_quantized_gradients,
-                                    zero.zero_quantized_refresh, zero.quantization_block_size,
-                                    zero.quantization_error_feedback, zero.weight_gather_bits,
-                                    zero.grad_reduce_bits, zero.cross_node_grad_bits, zero.refresh_bits)
-    spec = CommSpec(units, tuple(cfg.topology.layout), preset=preset, quant=quant,
-                    micro_batches=cfg.training.gradient_accumulation_steps,
-                    compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
-                    checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
     out = {t: 0 for t in TIERS}
-    for (_phase, tier), nbytes in predict_ledger(spec).items():
+    # The demo tokenizer (and so the vocabulary) exists once the first run has built it.
+    for (_phase, tier), nbytes in predict_ledger(comm_spec_from_config(cfg, padded_vocab_of(cfg))).items():
         out[tier] += nbytes
     return out
 
@@ -93,7 +79,7 @@ def main(argv=None) -> int:
             files = base + [str(REPO / f"configs/{args.layout}.yml"), str(REPO / f"configs/{name}.yml")]
             records = run(files, sets, Path(tmp) / name)
             measured = {t: statistics.median(r[f"comm/bytes/{t}"] for r in records[1:]) for t in TIERS}
-            predicted = predicted_per_step(files, sets, PRESETS[name])
+            predicted = predicted_per_step(files, sets)
             step = median_time(records)
             row = [name, f"{step * 1000:.0f}", f"{step / baseline:.2f}"]
             if args.compare_prefetch:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from megatron.config import ConfigError, NeoXConfig, world_size_of
@@ -248,16 +249,21 @@ def srun_command(cfg: NeoXConfig, rank_command: Sequence[str]) -> list[str]:
     return cmd + list(rank_command)
 
 
-def first_slurm_host(env: Mapping[str, str], run: Callable = subprocess.run) -> Optional[str]:
-    """The first host of the allocation (`scontrol show hostnames $SLURM_JOB_NODELIST`), or None."""
+def slurm_hosts(env: Mapping[str, str], run: Callable = subprocess.run) -> list[str]:
+    """The allocation's hosts in order (`scontrol show hostnames $SLURM_JOB_NODELIST`); [] when unknown."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
-        return None
+        return []
     try:
         out = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return None
-    hosts = out.split()
+        return []
+    return out.split()
+
+
+def first_slurm_host(env: Mapping[str, str], run: Callable = subprocess.run) -> Optional[str]:
+    """The first host of the allocation (the rendezvous host), or None."""
+    hosts = slurm_hosts(env, run)
     return hosts[0] if hosts else None
 
 
@@ -267,7 +273,7 @@ def slurm_env(cfg: NeoXConfig, env: Mapping[str, str], master_addr: Optional[str
     addr = cfg.launcher.master_addr or master_addr
     if addr:
         out["MASTER_ADDR"] = addr
-    out["MASTER_PORT"] = str(cfg.launcher.master_port or DEFAULT_MASTER_PORT)
+    out["MASTER_PORT"] = str(cfg.launcher.master_port or env.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
     if cfg.topology.preset == "frontier":
         for key, value in FRONTIER_ENV.items():
             out.setdefault(key, value)
@@ -296,25 +302,59 @@ def deepspeed_command(cfg: NeoXConfig, script: str, config_json: str, extra_args
 
 # --- dispatch ---------------------------------------------------------------------------------------
 
+FREE_PORT_AT_LAUNCH = "<a free port, picked at launch>"
+NO_ALLOCATION = ("launcher slurm: no Slurm allocation here (SLURM_JOB_ID is unset); "
+                 "run deepy.py inside sbatch or salloc, or use launcher: local")
+
+
+@dataclass
+class LaunchPlan:
+    """What `launch` runs: the command(s) and each one's full environment. Local runs start one
+    command per rank on this machine; slurm and hostfile runs replace deepy with one command."""
+    kind: str
+    commands: list
+    envs: list
+    notes: list = field(default_factory=list)  # what is missing for the launch to work
+
+
+def plan_launch(cfg: NeoXConfig, script: str, config_json: str, extra_args: Sequence[str] = (),
+                env: Optional[Mapping[str, str]] = None) -> LaunchPlan:
+    """The plan of `launch`, built without starting anything (deepy --dry-run prints it)."""
+    env = dict(os.environ if env is None else env)
+    kind = cfg.launcher.launcher
+    rank_command = script_command(script, config_json, extra_args)
+    if kind == "local":
+        world = world_size_of(cfg)
+        addr = cfg.launcher.master_addr or "127.0.0.1"
+        port = cfg.launcher.master_port or FREE_PORT_AT_LAUNCH
+        simulated = cfg.topology.simulate is not None
+        return LaunchPlan(kind, [rank_command] * world,
+                          [local_rank_env(env, rank, world, addr, port, simulated) for rank in range(world)])
+    if kind == "slurm":
+        notes = [] if "SLURM_JOB_ID" in env else [NO_ALLOCATION]
+        rank_env = slurm_env(cfg, env, first_slurm_host(env))
+        if "MASTER_ADDR" not in rank_env:
+            notes.append("no rendezvous host: `scontrol show hostnames $SLURM_JOB_NODELIST` gave none and "
+                         "MASTER_ADDR is unset (set master_addr)")
+        return LaunchPlan(kind, [srun_command(cfg, rank_command)], [rank_env], notes)
+    if kind == "hostfile":
+        return LaunchPlan(kind, [deepspeed_command(cfg, script, config_json, extra_args)], [env])
+    raise ConfigError(f"launcher: {kind!r} is not supported; use local, slurm or hostfile")
+
+
 def launch(cfg: NeoXConfig, script: str, config_json: str, *, extra_args: Sequence[str] = (),
            env: Optional[Mapping[str, str]] = None, rank_output: str = "all",
            execute: Callable[[list, dict], int] = None) -> int:
     """Start the run with cfg.launcher.launcher. slurm/hostfile replace this process (`execute`,
     default os.execvpe); local returns the run's exit code."""
     env = dict(os.environ if env is None else env)
-    execute = execute or _exec
-    kind = cfg.launcher.launcher
-    if kind == "local":
+    if cfg.launcher.launcher == "local":
+        # run_local builds the same per-rank environments as the plan, with a port picked now.
         return run_local(cfg, script_command(script, config_json, extra_args), env=env, rank_output=rank_output)
-    if kind == "slurm":
-        if "SLURM_JOB_ID" not in env:
-            raise ConfigError("launcher slurm: no Slurm allocation here (SLURM_JOB_ID is unset); "
-                              "run deepy.py inside sbatch or salloc, or use launcher: local")
-        command = srun_command(cfg, script_command(script, config_json, extra_args))
-        return execute(command, slurm_env(cfg, env, first_slurm_host(env)))
-    if kind == "hostfile":
-        return execute(deepspeed_command(cfg, script, config_json, extra_args), env)
-    raise ConfigError(f"launcher: {kind!r} is not supported; use local, slurm or hostfile")
+    if cfg.launcher.launcher == "slurm" and "SLURM_JOB_ID" not in env:
+        raise ConfigError(NO_ALLOCATION)
+    plan = plan_launch(cfg, script, config_json, extra_args, env)
+    return (execute or _exec)(plan.commands[0], plan.envs[0])
 
 
 def _exec(command: list, env: dict) -> int:

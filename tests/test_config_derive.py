@@ -160,12 +160,12 @@ def test_layout_and_launcher_errors(tmp_path, text, match):
 
 
 def test_external_world_size_must_match_the_layout(tmp_path):
-    from megatron.config import external_world_size_error
+    from megatron.config import launch_environment_error
     cfg = load(tmp_path, "train_micro_batch_size_per_gpu: 1\ntopology: {simulate: [2, 2]}\n")
-    assert external_world_size_error(cfg, {"WORLD_SIZE": "4"}) is None
-    assert "has 4 ranks" in external_world_size_error(cfg, {"WORLD_SIZE": "8"})
-    assert external_world_size_error(cfg, {"SLURM_NTASKS": "8"}) is None  # only read under launcher slurm
+    assert launch_environment_error(cfg, {"WORLD_SIZE": "4"}) is None
+    assert "has 4 ranks" in launch_environment_error(cfg, {"WORLD_SIZE": "8"})
+    assert launch_environment_error(cfg, {"SLURM_NTASKS": "8"}) is None  # only read under launcher slurm
     slurm = load(tmp_path, "train_micro_batch_size_per_gpu: 1\ntopology: {preset: frontier}\nlauncher: slurm\n",
                  env={"SLURM_JOB_NUM_NODES": "2"})
-    assert "SLURM_NTASKS=8" in external_world_size_error(slurm, {"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"})
-    assert external_world_size_error(slurm, {"SLURM_NTASKS": "16"}) is None
+    assert "SLURM_NTASKS=8" in launch_environment_error(slurm, {"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"})
+    assert launch_environment_error(slurm, {"SLURM_NTASKS": "16"}) is None

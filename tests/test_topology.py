@@ -68,12 +68,12 @@ def test_from_slurm():
         Topology.from_slurm(dict(env, SLURM_LOCALID="4"))
     with pytest.raises(TopologyError, match="SLURM_NNODES"):
         Topology.from_slurm({"SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
-    with pytest.raises(TopologyError, match="equal task counts"):
+    with pytest.raises(TopologyError, match="same number of tasks"):
         Topology.from_slurm(dict(env, SLURM_NTASKS_PER_NODE="8,4"))
 
 
-def _cfg(preset=None, simulate=None):
-    return SimpleNamespace(topology=SimpleNamespace(preset=preset, simulate=simulate))
+def _cfg(preset=None, simulate=None, layout=None):
+    return SimpleNamespace(topology=SimpleNamespace(preset=preset, simulate=simulate, layout=layout))
 
 
 def test_from_config():
@@ -81,6 +81,8 @@ def test_from_config():
     assert Topology.from_config(_cfg(preset="frontier"), 16) == Topology.preset("frontier", 2)
     single = Topology.from_config(_cfg(), 4)
     assert (single.num_nodes, single.ranks_per_node) == (1, 4)
+    allocated = Topology.from_config(_cfg(layout=[3, 4]), 12)  # launcher slurm: the allocation's shape
+    assert (allocated.num_nodes, allocated.ranks_per_node, allocated.tier_between(3, 4)) == (3, 4, "inter_node")
     with pytest.raises(TopologyError, match="has 8 ranks but the run has 4"):
         Topology.from_config(_cfg(simulate=[2, 2, 2]), 4)
     with pytest.raises(TopologyError, match="multiple of 8"):

@@ -16,12 +16,12 @@ from megatron.config.errors import ConfigError
 from megatron.config.routing import route
 from megatron.config.schema import NeoXConfig
 from megatron.config.serialize import config_from_dict, config_to_dict, load_config_json, save_config_json
-from megatron.config.validate import build_config, external_world_size_error, pad_vocab_size, world_size_of
+from megatron.config.validate import build_config, launch_environment_error, pad_vocab_size, world_size_of
 from megatron.config.yaml_io import apply_overrides, merge_files
 
 __all__ = [
     "ConfigError", "NeoXConfig", "load_config", "config_to_dict", "config_from_dict", "save_config_json",
-    "load_config_json", "world_size_of", "pad_vocab_size", "external_world_size_error",
+    "load_config_json", "world_size_of", "pad_vocab_size", "launch_environment_error",
 ]
 
 

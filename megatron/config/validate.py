@@ -2,7 +2,8 @@
 vocabulary, warmup iterations, precision, defaults that depend on other keys, and ZeRO factors.
 
 Nothing here reads a data, tokenizer or checkpoint file or touches a device; the only outside input
-is the node count of a topology preset (launcher.num_nodes, else Slurm's variables, else 1).
+is the Slurm allocation (megatron/topology/allocation.py): the node count of a topology preset
+(launcher.num_nodes, else Slurm's variables, else 1) and, under launcher slurm, its task counts.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Mapping, Optional
 from megatron.config.errors import ConfigError, config_error
 from megatron.config.routing import GROUPS, Routed, yaml_key_of
 from megatron.config.schema import NeoXConfig
+from megatron.topology.allocation import NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch
+from megatron.topology.topology import TopologyError
 
 CHAR_LEVEL_VOCAB = 512
 PRESET_NODE_SHAPE = {"frontier": [4, 2], "dgx": [8]}  # ranks per node, slowest tier first
-SLURM_NODE_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
@@ -170,7 +172,7 @@ def preset_nodes(cfg: NeoXConfig, env: Mapping[str, str]) -> int:
     """Nodes of a topology preset: launcher.num_nodes, else the Slurm allocation, else 1."""
     if cfg.launcher.num_nodes > 0:
         return cfg.launcher.num_nodes
-    for var in SLURM_NODE_VARS:
+    for var in NODE_VARS:
         if env.get(var):
             try:
                 return max(1, int(env[var]))
@@ -194,11 +196,32 @@ def _layout(cfg: NeoXConfig, ctx: _Context, env) -> None:
         t.layout = [preset_nodes(cfg, env)] + per_node
     elif t.preset == "sim":
         raise ctx.error("topology.preset", "'sim' needs topology.simulate", "add simulate: [nodes, gpus, gcds], e.g. [2, 2, 2]")
+    elif cfg.launcher.launcher == "slurm" and slurm_allocation(env) is not None:
+        t.layout = _allocation_layout(cfg, ctx, slurm_allocation(env))
     else:
         t.layout = None
     if cfg.launcher.num_nodes == 0 or cfg.launcher.num_nodes < -1:
         raise ctx.error("launcher.num_nodes", f"must be -1 (all) or a positive count, got {cfg.launcher.num_nodes}")
     t.world_size = math.prod(t.layout) if t.layout else 1
+
+
+def slurm_allocation(env: Mapping[str, str]) -> Optional[SlurmAllocation]:
+    """The allocation this process runs in (None outside Slurm); unreadable counts are config errors."""
+    try:
+        return allocation_from_env(env)
+    except TopologyError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _allocation_layout(cfg: NeoXConfig, ctx: _Context, alloc: SlurmAllocation) -> list:
+    """launcher slurm without a topology: two tiers, nodes x ranks per node, from the allocation."""
+    per_node = alloc.ranks_per_node(uses_gpus=cfg.training.device != "cpu")
+    if per_node is None:
+        raise ctx.error("topology.preset", f"is unset and the allocation does not fix the ranks per node "
+                        f"({alloc.describe(uses_gpus=cfg.training.device != 'cpu')})",
+                        "set a topology preset (frontier, dgx) or submit with --ntasks-per-node")
+    nodes = cfg.launcher.num_nodes if cfg.launcher.num_nodes > 0 else (alloc.nodes or 1)
+    return [nodes, per_node]
 
 
 def _batch(cfg: NeoXConfig, ctx: _Context, env) -> None:
@@ -280,8 +303,10 @@ def _launcher(cfg: NeoXConfig, ctx: _Context, env) -> None:
         raise ctx.error("launcher.launcher", "hostfile needs `hostfile: PATH` (lines `host slots=N`)", "set hostfile")
 
 
-def external_world_size_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:
-    """A message when WORLD_SIZE (or SLURM_NTASKS under launcher slurm) disagrees with the layout."""
+def launch_environment_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:
+    """One line when the environment cannot run the configured layout, else None: WORLD_SIZE (or,
+    under launcher slurm, SLURM_NTASKS) disagrees with it, or the Slurm allocation's node and task
+    counts do not match it."""
     expected = world_size_of(cfg)
     names = ["WORLD_SIZE"] + (["SLURM_NTASKS"] if cfg.launcher.launcher == "slurm" else [])
     for name in names:
@@ -295,4 +320,12 @@ def external_world_size_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Option
         if given != expected:
             return (f"the configured layout has {expected} ranks (topology.layout {cfg.topology.layout or [1]}) but "
                     f"{name}={given}; make topology match the allocation (simulate, or the preset's node count)")
+    alloc = slurm_allocation(env) if cfg.launcher.launcher == "slurm" else None
+    if alloc is not None:
+        uses_gpus = cfg.training.device != "cpu"
+        needs = layout_mismatch(cfg.topology.layout, alloc, uses_gpus)
+        if needs:
+            return (f"the Slurm allocation (job {alloc.job_id}) has {alloc.describe(uses_gpus)} but the config's "
+                    f"layout {cfg.topology.layout or [1]} needs {needs}; submit with a matching "
+                    "-N/--ntasks-per-node, or change topology/num_nodes")
     return None

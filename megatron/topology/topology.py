@@ -8,7 +8,6 @@ comm model and the planner read; nothing in the engine depends on them.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -112,11 +111,8 @@ class Topology:
         except KeyError as missing:
             raise TopologyError(f"Slurm environment lacks {missing.args[0]}: run under srun") from None
         if "SLURM_NTASKS_PER_NODE" in env:
-            # Slurm writes e.g. "8" or "8(x4)"; a heterogeneous list like "8,4" is refused below.
-            match = re.match(r"^(\d+)(\(x\d+\))?$", env["SLURM_NTASKS_PER_NODE"].strip())
-            if not match:
-                raise TopologyError(f"SLURM_NTASKS_PER_NODE={env['SLURM_NTASKS_PER_NODE']!r}: nodes must run equal task counts")
-            per_node = int(match.group(1))
+            from megatron.topology.allocation import parse_tasks_per_node  # it imports this module
+            per_node = parse_tasks_per_node(env["SLURM_NTASKS_PER_NODE"])
         elif "SLURM_NTASKS" in env:
             ntasks = int(env["SLURM_NTASKS"])
             if ntasks % nnodes:
@@ -138,7 +134,8 @@ class Topology:
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Topology":
         """From ``cfg.topology`` for a run of ``world_size`` ranks: ``simulate`` (takes precedence, with
-        Frontier link figures), else ``preset`` frontier/dgx (8 ranks per node), else one node."""
+        Frontier link figures), else ``preset`` frontier/dgx (8 ranks per node), else the two-tier
+        layout validation took from a Slurm allocation, else one node."""
         topo_cfg = cfg.topology
         if topo_cfg.simulate:
             topo = cls.simulated(topo_cfg.simulate)
@@ -150,7 +147,12 @@ class Topology:
         elif topo_cfg.preset in (None, "none", "sim"):
             if topo_cfg.preset == "sim":
                 raise TopologyError("topology.preset 'sim' needs topology.simulate, e.g. [2, 2, 2]")
-            topo = cls.single_node(world_size)
+            if topo_cfg.layout and len(topo_cfg.layout) == 2:  # nodes x ranks per node of a Slurm allocation
+                nodes, per_node = (int(x) for x in topo_cfg.layout)
+                topo = cls((Tier("intra_node", per_node, **FRONTIER_LINKS["intra_node"]),
+                            Tier("inter_node", nodes, **FRONTIER_LINKS["inter_node"])), name=f"slurm{nodes}x{per_node}")
+            else:
+                topo = cls.single_node(world_size)
         else:
             raise TopologyError(f"unknown topology.preset {topo_cfg.preset!r}; choose frontier, dgx or sim")
         if topo.world_size != world_size:

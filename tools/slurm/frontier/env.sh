@@ -1,22 +1,26 @@
-# Environment for NeoX-Topo on Frontier (sourced by the job scripts). Facts from the OLCF docs.
+# shellcheck shell=bash
+# Environment for NeoX-Topo on OLCF Frontier, sourced by the job scripts from the repository root
+# (facts from the OLCF docs). The RCCL/libfabric variables (NCCL_SOCKET_IFNAME, NCCL_CROSS_NIC,
+# NCCL_NET_GDR_LEVEL, FI_MR_CACHE_MONITOR=kdreg2, FI_CXI_DISABLE_HOST_REGISTER,
+# HSA_FORCE_FINE_GRAIN_PCIE) and MASTER_ADDR/MASTER_PORT are set by deepy.py itself for
+# `topology: {preset: frontier}`, where unset: `python deepy.py --dry-run ...` lists them.
 module load PrgEnv-gnu
 module load rocm
 module load craype-accel-amd-gfx90a
 # The RCCL network plugin (aws-ofi-rccl): without it RCCL falls back to TCP sockets on Slingshot.
-# Point this at your build of the plugin.
+# Point AWS_OFI_RCCL_LIB at your build of the plugin.
 export LD_LIBRARY_PATH="${AWS_OFI_RCCL_LIB:-$HOME/aws-ofi-rccl/lib}:${LD_LIBRARY_PATH:-}"
-export NCCL_SOCKET_IFNAME=hsn0
-export NCCL_CROSS_NIC=1
-export NCCL_NET_GDR_LEVEL=PHB
-export FI_MR_CACHE_MONITOR=kdreg2        # never memhooks with RCCL
-export FI_CXI_DISABLE_HOST_REGISTER=1
-export HSA_FORCE_FINE_GRAIN_PCIE=1
 # MIOpen caches on node-local storage: a shared home directory serialises every rank on its lock.
-export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID:-0}"
+# The folder must exist on every node, not only on the one running this script.
+export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER:-neox}-${SLURM_JOB_ID:-0}"
 export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"
-mkdir -p "${MIOPEN_USER_DB_PATH}"
-export MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)
-export MASTER_PORT=${MASTER_PORT:-29500}
-# Activate the project's environment (a venv created with --system-site-packages over the module's
-# torch, which `make venv` does automatically when the module's python already has torch).
-source "${NEOX_TOPO_VENV:-.venv}/bin/activate"
+srun --nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks-per-node=1 mkdir -p "${MIOPEN_USER_DB_PATH}"
+# The project's environment: a venv made by `make venv` over the rocm module's torch
+# (--system-site-packages, chosen automatically when the module's python already has torch).
+venv="${NEOX_TOPO_VENV:-.venv}"
+if [ ! -f "${venv}/bin/activate" ]; then
+  echo "no virtual environment at ${venv}: run 'module load rocm && make venv' on a login node first" >&2
+  exit 2
+fi
+# shellcheck disable=SC1091  # the venv is made by `make venv`, not part of the repository
+source "${venv}/bin/activate"

@@ -1,0 +1,50 @@
+"""From a validated config to the inputs of the analytic models (comm_model, memory_model).
+
+The models take plain numbers (unit sizes, layout, factors, bits) so they stay independent of the
+engine; this is the one place that reads those numbers off a ``NeoXConfig``, for the benchmarks and
+``deepy.py --dry-run``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from megatron.config import pad_vocab_size
+from megatron.model.sizes import unit_parameter_counts
+from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
+
+
+def padded_vocab_of(cfg) -> Optional[int]:
+    """The padded vocabulary: from the config when it knows the size (vocab_size, or a character
+    tokenizer), else from the tokenizer file when it exists, else None (a dry run on a login node
+    before the tokenizer was copied there)."""
+    if cfg.model.padded_vocab_size is not None:
+        return cfg.model.padded_vocab_size
+    vocab_file = cfg.tokenizer.vocab_file
+    if not vocab_file or not Path(vocab_file).is_file():
+        return None
+    from megatron.data import build_tokenizer
+    return pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
+
+
+def quant_spec_of(zero) -> QuantSpec:
+    """The quantization of a ``ZeroConfig`` as the models describe it."""
+    return QuantSpec.from_settings(zero.zero_quantized_weights, zero.zero_quantized_gradients,
+                                   zero.zero_quantized_refresh, zero.quantization_block_size,
+                                   zero.quantization_error_feedback, zero.weight_gather_bits,
+                                   zero.grad_reduce_bits, zero.cross_node_grad_bits, zero.refresh_bits)
+
+
+def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
+    """One optimizer step of the configured run. The ladder presets are described by their factors
+    (the models need nothing else); zeropp, outside the ladder, by its name."""
+    units = unit_parameter_counts(cfg.model, padded_vocab)
+    layout = tuple(cfg.topology.layout or (1, 1))
+    sharding = ({"preset": "zeropp"} if cfg.zero.resolved_preset == "zeropp"
+                else {"factors": tuple(cfg.zero.resolved_factors)})
+    return CommSpec(units, layout, quant=quant_spec_of(cfg.zero),
+                    micro_batches=cfg.training.gradient_accumulation_steps or 1,
+                    compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
+                    fp32_allreduce=bool(cfg.precision.fp32_allreduce),
+                    checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
+                    **sharding)
