@@ -192,7 +192,7 @@ class TopologyConfig:
                                 key="topology.preset", choices=("frontier", "dgx", "sim"))
     simulate: Optional[list] = doc(None, "Simulated layout on this machine, fastest tier last, e.g. [2, 2, 2] = 2 nodes x 2 GPUs x 2 GCDs, or [2, 2].",
                                    key="topology.simulate")
-    layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, else 1 node); None for one process.",
+    layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, or under launcher slurm without a preset the allocation's nodes x tasks (or GPUs) per node); None for one process.",
                                  key="topology.layout", derived=True)
     world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).",
                                       key="topology.world_size", derived=True)
@@ -209,7 +209,7 @@ class LauncherConfig:
     num_nodes: int = doc(-1, "Nodes to use (-1 = all); for topology presets also the node count of the layout.")
     num_gpus: Optional[int] = doc(None, "Ranks per node (must match the topology preset when one is set).", ge=1)
     master_addr: Optional[str] = doc(None, "Rendezvous host; default 127.0.0.1 (local), the first host of the allocation (slurm).")
-    master_port: Optional[int] = doc(None, "Rendezvous port; default a free port (local) or 29500 (slurm, hostfile).", ge=1, le=65535)
+    master_port: Optional[int] = doc(None, "Rendezvous port; default: a free port (local), $MASTER_PORT else 29500 (slurm), 29500 (hostfile).", ge=1, le=65535)
     account: Optional[str] = doc(None, "launcher=slurm: srun --account.")
     comment: Optional[str] = doc(None, "launcher=slurm: srun --comment.")
     distributed_backend: str = doc("auto", "auto (nccl on GPUs, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))
