@@ -11,15 +11,26 @@ TORCH_PIN ?= torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# pyproject.toml reads its dependencies from requirements/*.txt, so a change there reinstalls too.
+# A python that is itself a venv (e.g. an image's /opt/venv holding its ROCm torch) does not pass its
+# packages on through --system-site-packages, so the new venv gets a .pth naming its site-packages.
+# Extras: `gpu` brings PyPI's triton (CUDA, and CPU where tests run Triton under TRITON_INTERPRET=1);
+# on a ROCm torch `rocm` instead, since the ROCm torch ships its own triton that PyPI's would break.
+$(STAMP): pyproject.toml Makefile $(wildcard requirements/*.txt)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "[setup] using the torch already present in $(PYTHON)"; \
-	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  if [ ! -x $(PY) ]; then \
+	    $(PYTHON) -m venv --system-site-packages $(VENV) && \
+	    $(PYTHON) -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+	      > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_neox_outer_venv.pth"; \
+	  fi; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
 	  $(PY) -m pip install -q "$(TORCH_PIN)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	@extras=$$($(PY) -c "import torch; print('test,rocm' if torch.version.hip else 'test,gpu')"); \
+	  echo "[setup] pip install -e .[$$extras]"; \
+	  $(PY) -m pip install -q -e ".[$$extras]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
