@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import ConfigError, world_size_of
+from megatron.topology.device_binding import warn_if_gcd_pairs_broken
 
 
 @dataclass
@@ -77,4 +78,6 @@ def init_runtime(cfg) -> Runtime:
             backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=600))
+        # Split GCD pairs only slow training down, so this warns (ROCm only) and never stops it.
+        warn_if_gcd_pairs_broken(cfg, runtime)
     return runtime
