@@ -14,6 +14,7 @@ import torch
 
 from megatron.checkpointing.checkpointer import CheckpointError
 from megatron.checkpointing.hf_io import import_hf
+from megatron.checkpointing.hf_weights import HFWeights
 from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
@@ -80,14 +81,53 @@ def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
     model.load_state_dict(state, strict=False)
 
 
+def build_model(cfg, runtime: Runtime) -> GPTNeoX:
+    """One process: the whole model, initialised (or loaded from load_hf), on its device. Several:
+    the model on the meta device, no storage at all; the engine materialises it one unit at a time
+    (``unit_materializer``), so no rank ever holds more than one full unit."""
+    torch.manual_seed(cfg.data.seed)
+    if runtime.distributed:
+        with torch.device("meta"):
+            return GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
+    model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
+    if cfg.checkpoint.load_hf:
+        load_hf_weights(model, cfg.checkpoint.load_hf)
+    return model.to(runtime.device)
+
+
+def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
+    """``materialize(i, unit)`` for the engine: the unit's parameters on the CPU with NeoX's init,
+    drawn in unit order from the seeded RNG (so the weights equal a whole model built on the CPU,
+    the single-process reference), then overwritten from the HF folder when one is given (the draws
+    still happen, so the RNG continues exactly as in the single-process run)."""
+    prefix = {id(module): name for name, module in model.named_modules()}
+    hf = HFWeights(hf_folder) if hf_folder else None
+    if hf is not None:
+        check_shapes({k: list(v) for k, v in hf.shapes().items()},
+                     {k: tuple(v.shape) for k, v in model.named_parameters()}, hf_folder)
+
+    @torch.no_grad()
+    def materialize(index: int, unit: torch.nn.Module) -> None:
+        unit.to_empty(device="cpu")
+        named = [(f"{prefix[id(unit)]}.{name}", param) for name, param in unit.named_parameters()]
+        model.init_parameters(named)
+        if hf is not None:
+            for name, param in named:
+                param.copy_(hf.tensor(name))
+    return materialize
+
+
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
-    model = model.to(runtime.device)
     if not runtime.distributed:
         return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
                            cfg.training.gradient_accumulation_steps, runtime.device)
     from megatron.zero_topo.setup import engine_from_config
-    return engine_from_config(cfg, model, lm_loss, runtime.world_size)
+    engine = engine_from_config(cfg, model, lm_loss, runtime.world_size, device=runtime.device,
+                                materialize=unit_materializer(model, cfg.checkpoint.load_hf))
+    model.to_empty(device=runtime.device)  # what is left outside the units: the rotary tables
+    model.init_buffers()
+    return engine
 
 
 def build_training(cfg) -> Run:
@@ -104,10 +144,7 @@ def build_training(cfg) -> Run:
     train_data, valid_data, _ = build_datasets(cfg, cfg.model.padded_vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
                                                barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
-    torch.manual_seed(cfg.data.seed)
-    model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
-    if cfg.checkpoint.load_hf:
-        load_hf_weights(model, cfg.checkpoint.load_hf)
+    model = build_model(cfg, runtime)
     if runtime.is_main:
         params = num_parameters(model)
         flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size, cfg.model.seq_length)

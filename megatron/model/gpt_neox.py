@@ -19,7 +19,7 @@ No distributed code lives here.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +238,10 @@ class GPTNeoX(nn.Module):
 
     def __init__(self, model_cfg: ModelConfig, vocab_size: int | None = None):
         super().__init__()
+        # The weights depend only on the RNG state at entry: the submodules' own default init draws
+        # are undone before init_weights, so a model built on the meta device and initialised one
+        # unit at a time (init_parameters, in unit order) gets exactly the same weights.
+        rng_at_entry = torch.random.get_rng_state()
         vocab_size = vocab_size if vocab_size is not None else model_cfg.padded_vocab_size
         validate_model_config(model_cfg, vocab_size)
         self.config = model_cfg
@@ -254,6 +258,7 @@ class GPTNeoX(nn.Module):
         cos, sin = rotary_tables(rotary_dims_of(model_cfg), max_positions_of(model_cfg), model_cfg.rotary_emb_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        torch.random.set_rng_state(rng_at_entry)
         self.init_weights()
 
     @property
@@ -265,17 +270,20 @@ class GPTNeoX(nn.Module):
         """The modules the engine shards, in forward order: [embed, *layers, final]."""
         return [self.embed, *self.layers, self.final]
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter as NeoX does; deterministic under ``torch.manual_seed``.
+        """(Re)initialise every parameter as NeoX does, and the rotary tables; deterministic under
+        ``torch.manual_seed``. Equal to ``init_parameters`` over the units in order (the engine's
+        one-unit-at-a-time build), because parameters are registered in unit order."""
+        self.init_parameters(self.named_parameters())  # deduplicated: a tied weight is drawn once
+        self.init_buffers()
 
-        Also recomputes the rotary tables, so a model built on the meta device can be materialised
-        with ``to_empty`` and then initialised here.
-        """
+    @torch.no_grad()
+    def init_parameters(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """NeoX's init for (full name, parameter) pairs, drawing from the default RNG in the given order."""
         cfg = self.config
         init_in = init_function(cfg.init_method, cfg)
         init_out = init_function(cfg.output_layer_init_method, cfg)
-        for name, param in self.named_parameters():  # deduplicated: a tied weight is drawn once
+        for name, param in named:
             if ("layernorm" in name or "layer_norm" in name) and name.endswith("weight"):
                 nn.init.ones_(param)
             elif name.endswith("bias"):
@@ -284,6 +292,11 @@ class GPTNeoX(nn.Module):
                 init_out(param)
             else:
                 init_in(param)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The rotary tables (also for a model built on the meta device and moved with ``to_empty``)."""
+        cfg = self.config
         cos, sin = rotary_tables(rotary_dims_of(cfg), max_positions_of(cfg), cfg.rotary_emb_base)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

@@ -56,6 +56,9 @@ class InflightGather:
 
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
+# materialize(unit_index, unit): give the unit's parameters storage and their initial values (on any
+# device; the FlatUnit copies what this rank keeps to the engine's device, then drops them).
+Materialize = Callable[[int, nn.Module], None]
 COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                   "bf16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -66,7 +69,8 @@ class ZeroTopoEngine:
     def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
                  preset: Optional[str] = None, *, fp32_allreduce: bool = False,
-                 quant: Optional[QuantSettings] = None, prefetch: bool = True):
+                 quant: Optional[QuantSettings] = None, prefetch: bool = True,
+                 device: Optional[torch.device] = None, materialize: Optional[Materialize] = None):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -93,7 +97,7 @@ class ZeroTopoEngine:
         self.micro_count = 0           # micro-batches since the last optimizer step
         self._in_backward = False      # inside our own backward(): a unit forward is a recompute
         self._forward_phase = "eval_gather"
-        self.units = self._build_units(model, units, n)
+        self.units = self._build_units(model, units, n, device, materialize)
         self.prefetch = prefetch       # issue the next unit's gather early (prefetch.py)
         self.order = PassOrder(len(self.units))
         self.qcomm = QuantizedCollectives(comm, self.quant, self.device) if self.quant.enabled else None
@@ -103,7 +107,11 @@ class ZeroTopoEngine:
         self.ledger.reset()
 
     # -- construction -------------------------------------------------------------------------------
-    def _build_units(self, model: nn.Module, units: list[nn.Module], n: int) -> list[FlatUnit]:
+    def _build_units(self, model: nn.Module, units: list[nn.Module], n: int, device: Optional[torch.device],
+                     materialize: Optional[Materialize]) -> list[FlatUnit]:
+        """One FlatUnit per unit, built one at a time: ``materialize(i, unit)`` (when given) makes
+        unit i's parameters real right before its FlatUnit copies the rank's slices, and the full
+        parameters are dropped right after, so the build holds one full unit plus the shards."""
         names_by_id = {id(p): name for name, p in model.named_parameters()}
         owner: dict[int, int] = {}
         slot_lists = []
@@ -121,14 +129,22 @@ class ZeroTopoEngine:
         missing = [name for name, p in model.named_parameters() if id(p) not in owner]
         if missing:
             raise EngineError(f"parameters outside every unit: {', '.join(missing[:5])}; every parameter must be in a unit")
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
+        if device.type == "meta":
+            raise EngineError("the model is on the meta device: pass the engine's device and a materialize callback")
+        if materialize is None and any(p.is_meta for p in model.parameters()):
+            raise EngineError("the model has meta parameters but no materialize callback makes them real")
         self.device = device
         chunks = chunks_of(self.groups.rank, self.groups.factors)
         # docs/engine.md: S is a multiple of N, so every hop's buffer splits evenly; quantized, of
         # N x block, so every chunk at every level is whole blocks.
         multiple = n * self.quant.block if self.quant.enabled else n
-        return [FlatUnit(i, unit, slots, multiple, self.groups.factors, chunks, self.dtype, device)
-                for i, (unit, slots) in enumerate(zip(units, slot_lists))]
+        built = []
+        for i, (unit, slots) in enumerate(zip(units, slot_lists)):
+            if materialize is not None:
+                materialize(i, unit)
+            built.append(FlatUnit(i, unit, slots, multiple, self.groups.factors, chunks, self.dtype, device))
+        return built
 
     def _micro_hops(self) -> list[tuple[str, RankGroup]]:
         """The multi-rank groups of the micro-step gradient reduction, in order, by hop name."""
@@ -462,6 +478,11 @@ class ZeroTopoEngine:
 
     def load_full_state(self, full: dict) -> None:
         state_io.load_full_state(self, full)
+
+    def load_checkpoint(self, reader, weights_only: bool = False) -> None:
+        """Load this rank's slices from a checkpoint reader (megatron.checkpointing), reading only the
+        pieces that overlap them."""
+        state_io.load_from_reader(self, reader, weights_only=weights_only)
 
     def model_state_bytes(self) -> dict[str, int]:
         return state_io.model_state_bytes(self)

@@ -82,9 +82,7 @@ class FlatUnit:
             for slot in slots:
                 param = getattr(slot.module, slot.attr)
                 full[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        full64 = full.double()
-        self.init_checksum = (float(full64.sum()), float(full64.abs().sum()))  # ranks must agree
-        del full64
+        self.init_checksum = _checksum(full)  # ranks must agree
         self.master = full[slice(*self.opt_range)].clone()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -146,6 +144,16 @@ class FlatUnit:
             if lo < hi:
                 out.append((s.name, lo - s.offset, hi - lo))
         return out
+
+
+def _checksum(full: torch.Tensor, piece: int = 1 << 22) -> tuple[float, float]:
+    """(sum, sum of |x|) in float64, a piece at a time: no float64 copy of the whole unit."""
+    total = absolute = 0.0
+    for chunk in full.split(piece):
+        wide = chunk.double()
+        total += float(wide.sum())
+        absolute += float(wide.abs().sum())
+    return total, absolute
 
 
 def _decay_ranges(slots: list[ParamSlot], opt_range: tuple[int, int]) -> list[tuple[int, int]]:

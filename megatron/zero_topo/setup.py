@@ -7,27 +7,32 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from megatron.logging.metrics import log_print
 from megatron.topology import ProcessGroups, Topology, resolve_factors
 from megatron.zero_topo.comm import Communicator
-from megatron.zero_topo.engine import ZeroTopoEngine
+from megatron.zero_topo.engine import Materialize, ZeroTopoEngine
 from megatron.zero_topo.quantized import QuantSettings
 
 
 def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int,
-                       topology: Optional[Topology] = None, units: Optional[list[nn.Module]] = None) -> ZeroTopoEngine:
+                       topology: Optional[Topology] = None, units: Optional[list[nn.Module]] = None,
+                       device: Optional[torch.device] = None,
+                       materialize: Optional[Materialize] = None) -> ZeroTopoEngine:
     """Build the ZeRO-topo engine for ``model`` from ``cfg`` (a validated ``NeoXConfig``).
 
-    ``topology`` defaults to ``Topology.from_config(cfg, world_size)``; ``units`` to ``model.units()``.
+    ``topology`` defaults to ``Topology.from_config(cfg, world_size)``; ``units`` to ``model.units()``;
+    ``device`` to the parameters' device. A model built on the meta device needs ``device`` and
+    ``materialize`` (see ZeroTopoEngine): its units are then made real one at a time.
     """
     zero = cfg.zero
     quant = QuantSettings.from_config(zero)  # the effective bits, derived here only
     topology = topology or Topology.from_config(cfg, world_size)
     factors, preset = resolve_factors(zero, topology)
     groups = ProcessGroups.build(topology, factors)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     comm = Communicator(groups, device=device)
     if quant.enabled:
         log_print(f"quantized collectives: {quant.summary()}", groups.rank)
@@ -35,4 +40,4 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     return ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
-                          prefetch=bool(zero.prefetch_gathers))
+                          prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize)
