@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run.trainer.fit()
             run.report()
+            run.write_memory_report()
         finally:
             run.runtime.close()
     if run.runtime.distributed:

@@ -20,6 +20,7 @@ from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
 from megatron.engine import LocalEngine, lm_loss
+from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
 from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
 from megatron.runtime import Runtime, init_runtime
@@ -47,6 +48,12 @@ class Run:
     runtime: Runtime
     trainer: Trainer
     train_data: object
+    memory: PhasePeaks
+
+    def write_memory_report(self) -> None:
+        """logging.memory_report: this rank's measured peaks per phase, to <log_dir>/memory/."""
+        if self.cfg.logging.memory_report:
+            self.memory.write(self.cfg.logging.log_dir, self.runtime.rank)
 
     def report(self) -> None:
         """Final numbers: losses against the data's unigram entropy, and bytes moved per tier."""
@@ -144,16 +151,20 @@ def build_training(cfg) -> Run:
     train_data, valid_data, _ = build_datasets(cfg, cfg.model.padded_vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
                                                barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
-    model = build_model(cfg, runtime)
+    memory = PhasePeaks(runtime.device)  # the baseline: interpreter, imports, data indices
+    with memory.phase("build"):
+        model = build_model(cfg, runtime)
+        params = num_parameters(model)  # before the engine takes the parameters over
+        engine = build_engine(cfg, model, runtime)
     if runtime.is_main:
-        params = num_parameters(model)
         flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size, cfg.model.seq_length)
         log_print(f"model: {params / 1e6:.2f}M parameters, {flops / 1e6:.1f} MFLOPs/token (train); "
                   f"{runtime.world_size} rank(s) on {runtime.device.type}; global batch {global_batch} "
                   f"= {tcfg.train_micro_batch_size_per_gpu} x {tcfg.gradient_accumulation_steps} accumulation "
                   f"x {runtime.world_size} ranks; precision {cfg.precision.precision}")
-    engine = build_engine(cfg, model, runtime)
     trainer = Trainer(cfg, runtime, engine, train_data, valid_data)
+    trainer.memory = memory
     if cfg.checkpoint.load:
-        trainer.resume(cfg.checkpoint.load)
-    return Run(cfg=cfg, runtime=runtime, trainer=trainer, train_data=train_data)
+        with memory.phase("load"):
+            trainer.resume(cfg.checkpoint.load)
+    return Run(cfg=cfg, runtime=runtime, trainer=trainer, train_data=train_data, memory=memory)

@@ -133,6 +133,7 @@ class LoggingConfig:
     wandb_project: str = doc("neox-topo", "wandb project.")
     wandb_group: Optional[str] = doc(None, "wandb group.")
     tensorboard_dir: Optional[str] = doc(None, "Write tensorboard events here when set.")
+    memory_report: bool = doc(False, "Every rank writes its measured peak memory per phase (build, load, step, save: peak RSS, and the device's peak allocation on a GPU) to <log_dir>/memory/rank_<r>.json (bench/memory.py reads them).")
 
 
 @dataclass

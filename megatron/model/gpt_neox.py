@@ -99,9 +99,13 @@ def validate_model_config(cfg: ModelConfig, vocab_size: int | None) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 def rotary_tables(rotary_dims: int, max_positions: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_positions, rotary_dims], computed in fp32 as HF does."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float32) / rotary_dims))
-    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    """cos and sin tables of shape [max_positions, rotary_dims], computed in fp32 as HF does.
+
+    Always on the CPU, even inside ``torch.device("meta")``: the tables are small, and their ops on
+    the meta device would import torch's Python decompositions (~110 MB per process)."""
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float32, device=cpu) / rotary_dims))
+    angles = torch.arange(max_positions, dtype=torch.float32, device=cpu)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)  # frequencies repeat over the two halves
     return angles.cos(), angles.sin()
 
@@ -124,7 +128,9 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, dropout: float):
         super().__init__()
-        self.embed_in = nn.Embedding(vocab_size, hidden_size)
+        # An uninitialised weight (init_weights draws it): nn.Embedding's own normal_ init would, on
+        # the meta device, import torch's Python decompositions (~150 MB in every process).
+        self.embed_in = nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -284,6 +290,8 @@ class GPTNeoX(nn.Module):
         init_in = init_function(cfg.init_method, cfg)
         init_out = init_function(cfg.output_layer_init_method, cfg)
         for name, param in named:
+            if param.is_meta:  # nothing to draw (and no RNG consumed): materialised and drawn later
+                continue
             if ("layernorm" in name or "layer_norm" in name) and name.endswith("weight"):
                 nn.init.ones_(param)
             elif name.endswith("bias"):

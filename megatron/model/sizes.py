@@ -57,3 +57,22 @@ def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: i
     matmul_weights = layers * (3 * h * h + h * h + 2 * h * f) + h * v
     forward = 2 * matmul_weights + layers * 2 * (2 * seq_length * h)
     return float(3 * forward)
+
+
+def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int) -> int:
+    """Bytes autograd keeps for one micro-batch at the start of backward (the step's activation peak).
+
+    Counted from the model's forward (gpt_neox.py), per block for T = micro_batch x seq tokens:
+    the block input and both LayerNorm outputs (3 Th), the QKV output (3 Th), rotary's inputs and
+    outputs for q and k (4 Th), attention's output and the dense layer's input copy (2 Th), the MLP's
+    two intermediate tensors (2 TI): (12 h + 2 I) T elements. Under activation checkpointing a block
+    keeps only its input (T h) and one block is recomputed at a time. The head keeps the final
+    LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
+    log-softmax and, during backward, their gradient (3 TV).
+    """
+    h, inner, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
+    tokens = micro_batch * model_cfg.seq_length
+    block = (12 * h + 2 * inner) * tokens * elem_bytes
+    blocks = (layers * tokens * h * elem_bytes + block) if model_cfg.checkpoint_activations else layers * block
+    head = 2 * tokens * h * elem_bytes + 3 * tokens * vocab_size * 4
+    return blocks + head

@@ -79,3 +79,40 @@ def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int,
     block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
     final = 2 * h + (v * h if untied else 0)
     return [v * h] + [block] * num_layers + [final]
+
+
+PEAK_PHASES = ("build", "step", "save", "load")
+
+
+def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
+    """{phase: {term: bytes, ..., 'total'}}: what one rank holds at the peak of each phase, above the
+    process's own baseline (interpreter and libraries, measured), following docs/engine.md's build,
+    step, save and load. ``activations`` is the model's estimate for one micro-batch
+    (megatron.model.sizes.activation_bytes).
+
+    - build: the model states, plus the largest unit being made real: its parameters in fp32 (P),
+      the fp32 staging buffer (S) and the flat buffer in the compute dtype (S x c).
+    - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
+      unit's gradient (S x c) and the reduction's first output (S / w x c), plus the activations.
+    - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces.
+    - load: the states, plus one unit's pieces read from the files (the weight shard and the three
+      fp32 optimizer slices), once mapped from the file and once copied.
+    """
+    states = predict_model_state_bytes(spec)["per_rank"]["total"]
+    w, _g, os_ = spec.resolved_factors()
+    c = spec.compute_bytes
+    sizes = padded_unit_numels(spec)
+    largest = max(sizes)
+    sharded = w > 1
+    staging = max(p * FP32_BYTES + s * FP32_BYTES + s * c for p, s in zip(spec.unit_numels, sizes))
+    terms = {
+        "build": {"states": states, "unit being built": staging},
+        "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
+                 "unit gradient": largest * c, "reduction output": largest // w * c, "activations": activations},
+        "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES},
+        "load": {"states": states,
+                 "pieces read": 2 * max(s // w + 3 * (s // os_) for s in sizes) * FP32_BYTES},
+    }
+    for phase in terms.values():
+        phase["total"] = sum(phase.values())
+    return terms
