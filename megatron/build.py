@@ -162,8 +162,7 @@ def build_training(cfg) -> Run:
                   f"{runtime.world_size} rank(s) on {runtime.device.type}; global batch {global_batch} "
                   f"= {tcfg.train_micro_batch_size_per_gpu} x {tcfg.gradient_accumulation_steps} accumulation "
                   f"x {runtime.world_size} ranks; precision {cfg.precision.precision}")
-    trainer = Trainer(cfg, runtime, engine, train_data, valid_data)
-    trainer.memory = memory
+    trainer = Trainer(cfg, runtime, engine, train_data, valid_data, memory=memory)
     if cfg.checkpoint.load:
         with memory.phase("load"):
             trainer.resume(cfg.checkpoint.load)

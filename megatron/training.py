@@ -19,6 +19,7 @@ from megatron.checkpointing.param_slices import assemble_full_state
 from megatron.config import config_to_dict
 from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
+from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
 from megatron.runtime import Runtime
 from megatron.schedule import learning_rate, schedule_from_config
@@ -60,7 +61,8 @@ class StopRequest:
 
 
 class Trainer:
-    def __init__(self, cfg, runtime: Runtime, engine: Engine, train_data, valid_data):
+    def __init__(self, cfg, runtime: Runtime, engine: Engine, train_data, valid_data,
+                 memory: PhasePeaks | None = None):
         self.cfg = cfg
         self.runtime = runtime
         self.engine = engine
@@ -85,6 +87,7 @@ class Trainer:
         if self.checkpointer is not None and runtime.is_main:
             self.checkpointer.ensure_writable()
         self.stop = StopRequest()
+        self.memory = memory or PhasePeaks(runtime.device)  # measured peak memory per phase
         self.last_valid_loss: float | None = None
         self.comm_totals: dict[str, int] = {}
         self.start_iteration = 0
@@ -129,7 +132,8 @@ class Trainer:
         log_interval = self.cfg.logging.log_interval
         while self.iteration < tcfg.train_iters:
             start = time.perf_counter()
-            metrics = self.train_step()
+            with self.memory.phase("step"):
+                metrics = self.train_step()
             elapsed = time.perf_counter() - start
             tokens_per_sec = self.batching.global_batch * seq / elapsed
             metrics.update({"runtime/tokens_per_sec": tokens_per_sec, "runtime/iteration_time": elapsed,
@@ -184,10 +188,11 @@ class Trainer:
         if self.last_saved_iteration == self.iteration:
             return
         self.last_saved_iteration = self.iteration
-        rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
-        meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
         start = time.perf_counter()
-        path = self.checkpointer.save(self.iteration, rank_state, meta)
+        with self.memory.phase("save"):
+            rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
+            meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
+            path = self.checkpointer.save(self.iteration, rank_state, meta)
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in path.iterdir())
             log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)")

@@ -1,0 +1,149 @@
+"""Peak memory per rank, measured against the memory model, per preset and per phase.
+
+    .venv/bin/python bench/memory.py                         # ~160M parameters on 2x2x2, four presets
+    .venv/bin/python bench/memory.py --markdown              # the table in docs/memory.md
+    .venv/bin/python bench/memory.py --layers 4 --hidden 256 --presets zero3
+
+Each preset trains the same model for two steps on the simulated layout with `memory_report` on,
+saving a checkpoint at the end; the checkpoint is then resumed on another layout (--load-layout,
+--load-preset) for one more step. Every rank writes its measured peak resident set per phase (build,
+step, save, load; megatron/logging/memory.py); the table shows the largest rank's peak above its
+own baseline (the process after imports and data indices, before any model state: measured, and
+shown) next to the model's prediction (megatron/zero_topo/memory_model.py, predict_peak_bytes, with
+the activation estimate of megatron/model/sizes.py), and the ratio measured / predicted. The last
+table is the model's prediction per GCD for the paper's 20B on 48 Frontier nodes, where it counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron.config import load_config  # noqa: E402
+from megatron.model.sizes import activation_bytes, parameter_count  # noqa: E402
+from megatron.zero_topo.memory_model import PEAK_PHASES, predict_peak_bytes  # noqa: E402
+from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
+
+GB = 1e9
+BIG = ["configs/20B.yml", "configs/frontier.yml", "configs/zero_topo.yml", "configs/local_setup.yml"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro", type=int, default=1, help="micro-batch per rank")
+    p.add_argument("--layout", default="sim-2x2x2", help="configs/<layout>.yml for the training runs")
+    p.add_argument("--presets", nargs="+", default=["zero3", "hsdp", "zero_topo", "zeropp"])
+    p.add_argument("--load-layout", default="sim-2x2", help="layout the checkpoints are resumed on")
+    p.add_argument("--load-preset", default="zero_topo")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="extra config overrides")
+    p.add_argument("--markdown", action="store_true")
+    return p.parse_args(argv)
+
+
+def model_sets(args, log_dir: Path, extra: list[str]) -> list[str]:
+    sets = [f"num_layers={args.layers}", f"hidden_size={args.hidden}", f"num_attention_heads={args.heads}",
+            f"seq_length={args.seq}", f"train_micro_batch_size_per_gpu={args.micro}", "gradient_accumulation_steps=1",
+            "train_batch_size=null", "eval_iters=0", "log_interval=1", "memory_report=true",
+            "checkpoint_factor=null", "keep_last_n_checkpoints=null", f"log_dir={log_dir}", *args.sets, *extra]
+    return [item for s in sets for item in ("--set", s)]
+
+
+def run(files: list[str], sets: list[str]) -> None:
+    cmd = [sys.executable, str(REPO / "deepy.py"), "train.py", *files, *sets]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+
+
+def measured(log_dir: Path) -> tuple[dict, int]:
+    """({phase: largest rank's peak above its baseline}, largest baseline)."""
+    ranks = [json.loads(p.read_text()) for p in sorted((log_dir / "memory").glob("rank_*.json"))]
+    phases = {phase: max(r["peak_rss"][phase] - r["baseline_rss"] for r in ranks if phase in r["peak_rss"])
+              for phase in PEAK_PHASES if any(phase in r["peak_rss"] for r in ranks)}
+    return phases, max(r["baseline_rss"] for r in ranks)
+
+
+def predicted(files: list[str], sets: list[str]) -> dict:
+    cfg = load_config([str(REPO / f) for f in files], [s for s in sets if s != "--set"], notices=[])
+    vocab = padded_vocab_of(cfg)
+    elem = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
+    acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, elem)
+    return {phase: terms["total"] for phase, terms in predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts).items()}
+
+
+def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> None:
+    if markdown:
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [header] + rows:
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    base = ["configs/tiny-cpu.yml"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            work = Path(tmp) / preset
+            train_files = base + [f"configs/{args.layout}.yml", f"configs/{preset}.yml"]
+            train_sets = model_sets(args, work / "train", ["train_iters=2", f"save={work / 'ck'}"])
+            run(train_files, train_sets)
+            load_files = base + [f"configs/{args.load_layout}.yml", f"configs/{args.load_preset}.yml"]
+            load_sets = model_sets(args, work / "load", ["train_iters=3", f"load={work / 'ck'}", "save=null"])
+            run(load_files, load_sets)
+            got_train, baseline = measured(work / "train")
+            got_load, _ = measured(work / "load")
+            want_train, want_load = predicted(train_files, train_sets), predicted(load_files, load_sets)
+            for phase in ("build", "step", "save", "load"):
+                got = got_load.get(phase) if phase == "load" else got_train.get(phase)
+                want = want_load[phase] if phase == "load" else want_train[phase]
+                where = f"{args.load_preset} on {args.load_layout}" if phase == "load" else f"{preset} on {args.layout}"
+                if got is None:
+                    continue
+                rows.append([preset, phase, where, f"{baseline / GB:.2f}", f"{got / GB:.3f}", f"{want / GB:.3f}",
+                             f"{got / want:.2f}"])
+        cfg = load_config([str(REPO / f) for f in base], [s for s in model_sets(args, Path(tmp), []) if s != "--set"],
+                          notices=[])
+        params = parameter_count(cfg.model, padded_vocab_of(cfg))
+    print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro}: "
+          f"{params / 1e6:.1f}M parameters (fp32 full copy {4 * params / GB:.2f} GB); peaks are the largest "
+          "rank's, above its baseline")
+    print_table(["preset", "phase", "run", "baseline GB", "measured GB", "predicted GB", "measured / predicted"],
+                rows, args.markdown)
+    print()
+    print_20b(args.markdown)
+    return 0
+
+
+def print_20b(markdown: bool) -> None:
+    """The model's per-GCD prediction for the 20B on 48 Frontier nodes (no process baseline)."""
+    env = {"SLURM_JOB_NUM_NODES": "48"}
+    cfg = load_config([str(REPO / f) for f in BIG], env=env, notices=[])
+    vocab = cfg.model.padded_vocab_size
+    acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, 2)
+    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts)
+    print(f"20B on 48 Frontier nodes ({cfg.zero.resolved_preset} {tuple(cfg.zero.resolved_factors)}, bf16, "
+          f"micro-batch {cfg.training.train_micro_batch_size_per_gpu} x {cfg.model.seq_length} tokens, "
+          f"activation checkpointing {'on' if cfg.model.checkpoint_activations else 'off'}): predicted GB per GCD")
+    terms = sorted({t for phase in peaks.values() for t in phase if t != "total"})
+    rows = [[phase] + [f"{peaks[phase].get(t, 0) / GB:.2f}" for t in terms] + [f"{peaks[phase]['total'] / GB:.2f}"]
+            for phase in PEAK_PHASES]
+    print_table(["phase", *terms, "total"], rows, markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
