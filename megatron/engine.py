@@ -131,3 +131,23 @@ class LocalEngine:
                     "exp_avg_sq": full["exp_avg_sq"][name].to(param.device, param.dtype).clone()}
         if full.get("loss_scaler"):
             self.scaler.load_state_dict(full["loss_scaler"])
+
+    @torch.no_grad()
+    def load_checkpoint(self, reader, weights_only: bool = False) -> None:
+        """Load from a checkpoint reader (megatron.checkpointing.reader): the only rank reads whole
+        parameters. ``weights_only`` (finetune): no optimizer state, step 0."""
+        params = dict(self.model.named_parameters())
+        check_shapes(reader.shapes, {n: tuple(p.shape) for n, p in params.items()}, "being loaded")
+        step = 0 if weights_only else int(reader.step)
+        keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
+        for name, param in params.items():
+            values = reader.read(name, 0, param.numel(), keys)
+            param.copy_(values["master"].view(param.shape))
+            if step > 0:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": values["exp_avg"].view(param.shape).to(param.device, param.dtype),
+                    "exp_avg_sq": values["exp_avg_sq"].view(param.shape).to(param.device, param.dtype)}
+        scaler = reader.shared.get("loss_scaler")
+        if scaler:
+            self.scaler.load_state_dict(scaler)

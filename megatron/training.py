@@ -15,7 +15,8 @@ import torch
 
 from megatron.checkpointing.checkpointer import (Checkpointer, latest_step_dir, load_meta,
                                                  load_rank_state)
-from megatron.checkpointing.param_slices import assemble_full_state
+from megatron.checkpointing.index import engine_gather
+from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_to_dict
 from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
@@ -192,7 +193,8 @@ class Trainer:
         with self.memory.phase("save"):
             rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
             meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
-            path = self.checkpointer.save(self.iteration, rank_state, meta)
+            # the piece lists travel to rank 0 for index.json by a small all-gather (no file reopened)
+            path = self.checkpointer.save(self.iteration, rank_state, meta, gather=engine_gather(self.engine))
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in path.iterdir())
             log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)")
@@ -204,18 +206,21 @@ class Trainer:
             log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
             return False
         meta = load_meta(step_dir)
-        full = assemble_full_state(step_dir)
-        if self.cfg.checkpoint.finetune:  # weights only: a new run from step 0
-            zeros = {name: torch.zeros_like(t) for name, t in full["params"].items()}
-            self.engine.load_full_state({**full, "step": 0, "exp_avg": zeros, "exp_avg_sq": zeros})
-            log_print(f"finetuning from the weights of {step_dir}", self.runtime.rank)
+        # Each rank reads only the pieces overlapping its own slices (index.json), never full tensors.
+        reader = CheckpointReader(step_dir, rank=self.runtime.rank)
+        finetune = bool(self.cfg.checkpoint.finetune)  # weights only: a new run from step 0
+        self.engine.load_checkpoint(reader, weights_only=finetune)
+        read = (f"rank 0 read {len(reader.opened)} of {reader.world_size} rank files, "
+                f"{format_bytes(reader.bytes_copied)}")
+        reader.close()
+        if finetune:
+            log_print(f"finetuning from the weights of {step_dir} ({read})", self.runtime.rank)
             return True
-        self.engine.load_full_state(full)
         same_rank = self.runtime.rank if self.runtime.rank < meta["world_size"] else 0
-        _set_rng_state(load_rank_state(step_dir, same_rank)["rng"])
+        _set_rng_state(load_rank_state(step_dir, same_rank, mmap=True)["rng"])
         self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
-        log_print(f"resumed from {step_dir} at step {self.iteration} ({time.perf_counter() - start:.2f} s)",
+        log_print(f"resumed from {step_dir} at step {self.iteration} ({read}; {time.perf_counter() - start:.2f} s)",
                   self.runtime.rank)
         return True
 

@@ -2,10 +2,12 @@
 
 Commit protocol (why: a killed job must never leave a half-written step as `latest`):
 1. every rank writes its own `rank_XXXXX.pt` into the hidden folder `.global_stepN.partial` and
-   fsyncs it; 2. barrier; 3. rank 0 writes `meta.json`, fsyncs, renames the folder to `global_stepN`
-   (atomic on POSIX), fsyncs the parent, then replaces `latest` by rename; 4. barrier. A folder
-   without `meta.json` or a leftover `.partial` is ignored with a warning. Old steps are pruned only
-   after the new one is committed.
+   fsyncs it; 2. barrier; 3. the ranks' piece lists reach rank 0 (the `gather` callable, or rank 0
+   reads each file's list once) and rank 0 writes `index.json` (megatron/checkpointing/index.py),
+   fsyncs it; 4. rank 0 writes `meta.json`, fsyncs, renames the folder to `global_stepN` (atomic on
+   POSIX), fsyncs the parent, then replaces `latest` by rename; 5. barrier. A folder without
+   `meta.json` or a leftover `.partial` is ignored with a warning. Old steps are pruned only after
+   the new one is committed. A step without `index.json` (saved before it existed) still loads.
 """
 from __future__ import annotations
 
@@ -91,8 +93,13 @@ class Checkpointer:
             raise CheckpointError(f"cannot write checkpoints to {self.save_dir}: {err.strerror}; "
                                   "set `save` to a writable folder") from err
 
-    def save(self, iteration: int, rank_state: dict, meta: dict) -> Path:
-        """Write this rank's state; all ranks call this together. Saving a committed step is a no-op."""
+    def save(self, iteration: int, rank_state: dict, meta: dict, gather=None) -> Path:
+        """Write this rank's state; all ranks call this together. Saving a committed step is a no-op.
+
+        ``gather(obj)`` (optional, collective): every rank's ``obj`` in rank order, at least on rank 0
+        (megatron.checkpointing.index.comm_gather); it brings the ranks' piece lists to rank 0 for
+        ``index.json`` without reopening their files. Without it rank 0 reads each file's list once.
+        """
         final = self.save_dir / f"global_step{iteration}"
         if (final / META).is_file():
             return final
@@ -109,7 +116,12 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         self.barrier()
+        entries = None
+        if gather is not None:
+            from megatron.checkpointing.index import index_entry
+            entries = gather(index_entry(rank_state))
         if self.rank == 0:
+            self._write_index(partial, rank_state, entries)
             meta = {**meta, "iteration": iteration, "world_size": self.world_size}
             with open(partial / META, "w") as f:
                 json.dump(meta, f, indent=1)
@@ -126,6 +138,21 @@ class Checkpointer:
         self.barrier()
         return final
 
+    def _write_index(self, partial: Path, rank_state: dict, entries) -> None:
+        """index.json for a step of engine states (nothing for other rank states)."""
+        from megatron.checkpointing import index as idx
+        mine = idx.index_entry(rank_state)
+        if mine is None:
+            return
+        if entries is not None:
+            index = idx.build_index(list(entries), rank_state["engine"], self.world_size)
+        elif self.world_size == 1:
+            index = idx.build_index([mine], rank_state["engine"], 1)
+        else:
+            index = idx.scan_step(partial, self.world_size)
+        if index is not None:
+            idx.write_index(partial, index)
+
     def _prune(self, newest: int) -> None:
         if not self.keep_last_n:
             return
@@ -141,8 +168,9 @@ def load_meta(step_dir: Path) -> dict:
         return json.load(f)
 
 
-def load_rank_state(step_dir: Path, rank: int) -> dict:
+def load_rank_state(step_dir: Path, rank: int, mmap: bool = False) -> dict:
+    """One rank file; ``mmap``: map it, so only the entries touched are read (not its tensors)."""
     path = rank_file(step_dir, rank)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with a different layout")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

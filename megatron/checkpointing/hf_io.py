@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from megatron.checkpointing.checkpointer import CheckpointError, load_meta
 from megatron.checkpointing.hf import (hf_config_dict, model_config_from_hf, to_hf_state_dict,
                                        from_hf_state_dict)
-from megatron.checkpointing.param_slices import assemble_full_state
+from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_from_dict
 
 
@@ -25,7 +25,11 @@ def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype =
                               "pass a global_stepN folder")
     cfg = config_from_dict(load_meta(step_dir)["config"])
     vocab = cfg.model.padded_vocab_size
-    params = assemble_full_state(step_dir)["params"]
+    # master weights only, one parameter at a time through the index (no moments, no coverage masks)
+    reader = CheckpointReader(step_dir)
+    params = {name: reader.read(name, 0, reader.numel(name), ("master",))["master"].view(shape)
+              for name, shape in reader.shapes.items()}
+    reader.close()
     hf_sd = {k: v.to(dtype).contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config_dict(cfg.model, vocab)

@@ -2,8 +2,11 @@
 checkpoints (megatron.checkpointing.param_slices), and the bytes of model states held per rank.
 
 Gathers made here are charged to the ledger phase ``checkpoint`` (outside the per-step model).
-Loading from full tensors is local (every rank cuts its own slices), so a checkpoint written with any
-(w, g, os) or world size loads once the checkpointer has reassembled full tensors from the maps.
+Loading is local: ``load_from_reader`` (the training path) reads, through a
+megatron.checkpointing.reader.CheckpointReader, only this rank's weight chunk and optimizer slice
+out of the rank files whose pieces overlap them, so a checkpoint written with any (w, g, os) or world
+size loads without any rank building full tensors; ``load_full_state`` / ``load_full_state_dict``
+cut the same slices from full tensors (tools, tests, HF weights).
 
 Error-feedback residuals (quantized reductions) are per-rank state that no layout change can map:
 each rank saves its own under the extra entry ``error_feedback`` with the layout they belong to, and
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron.checkpointing.param_slices import check_shapes, make_engine_state
+from megatron.checkpointing.param_slices import PER_RANK, check_shapes, make_engine_state
 from megatron.logging.metrics import log_print
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit
 
@@ -86,6 +89,81 @@ def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
         engine.loss_scale.load_state_dict(full["loss_scaler"])
     if int(full["step"]) > 0:  # step 0: a fresh optimizer (finetune), residuals stay zero
         restore_residuals(engine, full.get("error_feedback"))
+
+
+@torch.no_grad()
+def load_from_reader(engine: "ZeroTopoEngine", reader, weights_only: bool = False,
+                     weight_chunk: str = "files") -> None:
+    """This rank's slices from a checkpoint reader, reading only the pieces that overlap them.
+
+    Per unit and slot: master and both moments of the part inside ``opt_range`` fill
+    ``master``/``exp_avg``/``exp_avg_sq``; padding stays zero. The weight chunk (``shard``):
+    ``weight_chunk="files"`` reads the master values of the part inside ``weight_range`` (with the
+    quantized refresh's roundtrip, as ``load_full_state_dict``); ``"refresh"`` rebuilds it from the
+    loaded master slices by the engine's own refresh (cross, stride all-gathers, charged to
+    ``checkpoint``), the same values, reading only the 1/os slices from the files (with w = 2 at
+    scale the weight chunk is half the model: see docs/checkpoints.md).
+    ``weights_only`` (finetune): moments zero and step 0. Loss scale, step and error-feedback
+    residuals follow ``load_full_state``'s rules; the residuals come from this rank's own file only.
+    """
+    if weight_chunk not in ("files", "refresh"):
+        raise EngineError(f"weight_chunk must be 'files' or 'refresh', not {weight_chunk!r}")
+    check_shapes(reader.shapes, {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
+                 "being loaded")
+    keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
+    for unit in engine.units:
+        w_lo, w_hi = unit.weight_range
+        o_lo, o_hi = unit.opt_range
+        weights = {"master": torch.zeros(w_hi - w_lo if weight_chunk == "files" else 0, dtype=torch.float32)}
+        opt = {key: torch.zeros(o_hi - o_lo, dtype=torch.float32) for key in ("master", "exp_avg", "exp_avg_sq")}
+        for slot in unit.slots:
+            if weight_chunk == "files":
+                _read_overlap(reader, slot, w_lo, w_hi, weights, ("master",))
+            _read_overlap(reader, slot, o_lo, o_hi, opt, keys)
+        for key, values in opt.items():
+            getattr(unit, key).copy_(values.to(unit.master.device))
+        if weight_chunk == "refresh":
+            engine._refresh(unit, "checkpoint")  # what every optimizer step ends with
+        else:
+            chunk = weights["master"].to(unit.master.device)
+            if engine.quant.refresh_bits and engine.groups.cross.size > 1:
+                chunk = engine.qcomm.roundtrip(chunk, engine.quant.refresh_bits, engine.dtype)  # see load_full_state_dict
+            unit.shard.copy_(chunk)
+        _reset_transient(unit)
+        for residual in unit.residuals.values():
+            residual.zero_()
+    step = 0 if weights_only else int(reader.step)
+    engine.step_count = step
+    scaler = reader.shared.get("loss_scaler")
+    if scaler:
+        engine.loss_scale.load_state_dict(scaler)
+    if step > 0:  # step 0: a fresh optimizer (finetune), residuals stay zero
+        restore_residuals(engine, _residual_entry(engine, reader))
+
+
+def _read_overlap(reader, slot, lo: int, hi: int, out: dict[str, torch.Tensor], keys) -> None:
+    """Fill ``out[key][a - lo: b - lo]`` with the slot's elements in [lo, hi) of the unit's buffer."""
+    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+    if a < b:
+        reader.read(slot.name, a - slot.offset, b - slot.offset, keys,
+                    out={key: out[key][a - lo: b - lo] for key in keys})
+
+
+def _residual_entry(engine: "ZeroTopoEngine", reader):
+    """What ``restore_residuals`` decides from, read from the index, and this rank's own file only
+    when the residuals can be restored (every rank file carries them, same world size, this run
+    keeps residuals). Every rank gets an entry of the same kind, so all decide alike."""
+    carriers = reader.ranks_with(PER_RANK)
+    if not carriers:
+        return None                       # "the checkpoint has none"
+    if not any(unit.residuals for unit in engine.units):
+        return [None] * len(carriers)     # "ignored: error feedback is off" (nothing opened)
+    world, rank = engine.groups.world_size, engine.groups.rank
+    if reader.world_size != world or len(carriers) != world:
+        return []                         # "does not carry every rank's residuals"
+    entry = [None] * world
+    entry[rank] = reader.rank_entry(rank, PER_RANK)
+    return entry
 
 
 def residual_layout(engine: "ZeroTopoEngine") -> dict:

@@ -1,0 +1,154 @@
+"""`index.json`: the table of contents of a checkpoint step, so a rank can load without opening
+every rank file (docs/checkpoints.md).
+
+For every rank file it lists the parameter pieces the file holds, as `[name, offset, length]`
+triples into the flattened parameter (the vocabulary of megatron.checkpointing.param_slices; no
+tensors), in the file's own piece order, and the names of the per-rank entries it carries
+(`error_feedback`). Beside them: the parameter `shapes`, the optimizer `step`, the world size, and
+the engine-state entries every rank saves alike (`shared`: loss scaler, factors, preset).
+
+Who writes it: rank 0, after every rank file is written and before `meta.json` commits the step
+(megatron/checkpointing/checkpointer.py). Rank 0 learns the piece lists by an all-gather of each
+rank's list through the engine's Communicator (`comm_gather`: a few KB per rank, charged to the
+ledger phase `checkpoint`), so nothing is reopened; a caller that gives no gather function (tests,
+tools) makes rank 0 read each file's piece list once instead (`scan_rank_file`, torch.load with
+mmap=True: the pickle, not the tensor bytes). A checkpoint written before index.json existed is
+indexed the same way by the reader, on load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megatron.checkpointing.checkpointer import CheckpointError, rank_file
+from megatron.checkpointing.param_slices import FORMAT, PER_RANK
+
+INDEX = "index.json"
+INDEX_FORMAT = "neox_topo/index/1"
+# Engine-state keys that are not "shared" (the same on every rank): the pieces and the per-rank entries.
+NOT_SHARED = ("format", "step", "shapes", "pieces", PER_RANK)
+
+# gather(entry) -> every rank's entry in rank order (rank 0 must get the list; others may get None)
+Gather = Callable[[Optional[dict]], Optional[list]]
+
+
+def index_entry(rank_state) -> Optional[dict]:
+    """What index.json lists for one rank file: its pieces and per-rank entries. None when the
+    state holds no engine state of the param_slices format (then no index is written)."""
+    engine = rank_state.get("engine") if isinstance(rank_state, dict) else None
+    return entry_of_engine_state(engine)
+
+
+def entry_of_engine_state(engine) -> Optional[dict]:
+    if not isinstance(engine, dict) or engine.get("format") != FORMAT:
+        return None
+    return {"pieces": [[str(p["name"]), int(p["offset"]), int(p["length"])] for p in engine["pieces"]],
+            "per_rank": [key for key in (PER_RANK,) if key in engine]}
+
+
+def shared_of_engine_state(engine: dict) -> tuple[dict, list[str]]:
+    """(JSON-safe shared entries, names of shared entries that only the rank files can hold)."""
+    shared, elsewhere = {}, []
+    for key, value in engine.items():
+        if key in NOT_SHARED:
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            elsewhere.append(key)
+        else:
+            shared[key] = value
+    return shared, elsewhere
+
+
+def build_index(entries: list[Optional[dict]], first_state: dict, world_size: int) -> Optional[dict]:
+    """The index of a step from every rank's entry (rank order) and rank 0's engine state."""
+    if len(entries) != world_size or any(e is None for e in entries):
+        return None
+    shared, elsewhere = shared_of_engine_state(first_state)
+    return {"format": INDEX_FORMAT, "pieces_format": FORMAT, "step": int(first_state["step"]),
+            "world_size": world_size, "shapes": {k: list(v) for k, v in first_state["shapes"].items()},
+            "shared": shared, "shared_in_rank_file": elsewhere,
+            "files": [{"file": rank_file(Path("."), r).name, **entries[r]} for r in range(world_size)]}
+
+
+def write_index(folder: Path, index: dict) -> None:
+    with open(folder / INDEX, "w") as f:
+        json.dump(index, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_index(step_dir: Path) -> dict:
+    try:
+        with open(step_dir / INDEX) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{step_dir / INDEX} cannot be read ({err}): the checkpoint is damaged") from err
+    if index.get("format") != INDEX_FORMAT or index.get("pieces_format") != FORMAT:
+        raise CheckpointError(f"{step_dir / INDEX} has format {index.get('format')!r}/{index.get('pieces_format')!r}, "
+                              f"expected {INDEX_FORMAT}/{FORMAT}")
+    return index
+
+
+def open_rank_file(path: Path, step_dir: Path) -> dict:
+    """A rank file memory-mapped: unpickles its dict, reads no tensor bytes until they are touched."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint in {step_dir} is incomplete")
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    engine = state.get("engine") if isinstance(state, dict) else None
+    if not isinstance(engine, dict) or engine.get("format") != FORMAT:
+        found = engine.get("format") if isinstance(engine, dict) else None
+        raise CheckpointError(f"{path} has format {found!r}, expected {FORMAT}")
+    return state
+
+
+def scan_step(step_dir: Path, world_size: int, on_open: Callable[[int], None] = lambda rank: None) -> dict:
+    """Build the index of a step by reading every rank file's piece list once (old checkpoints,
+    or a save without a gather function)."""
+    entries, first = [], None
+    for rank in range(world_size):
+        on_open(rank)
+        engine = open_rank_file(rank_file(step_dir, rank), step_dir)["engine"]
+        entries.append(entry_of_engine_state(engine))
+        if first is None:
+            first = {k: v for k, v in engine.items() if k not in ("pieces", PER_RANK)}
+        del engine
+    if first is None:
+        raise CheckpointError(f"{step_dir} holds no rank state")
+    return build_index(entries, first, world_size)
+
+
+def comm_gather(comm, group) -> Gather:
+    """An all-gather of small picklable objects over ``group`` (the world) through the engine's
+    Communicator, charged to the ledger phase ``checkpoint``; returns every member's object."""
+    def gather(obj) -> list:
+        device = comm.device
+        raw = pickle.dumps(obj)
+        words = -(-len(raw) // 8)
+        mine = torch.zeros(words * 8, dtype=torch.uint8)
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        lengths = torch.zeros(group.size, dtype=torch.int64, device=device)
+        comm.all_gather(lengths, torch.tensor([len(raw)], dtype=torch.int64, device=device), group, "checkpoint")
+        longest = max(-(-int(lengths.max()) // 8), 1)
+        send = torch.zeros(longest, dtype=torch.int64)
+        send[:words] = mine.view(torch.int64)
+        out = torch.empty(longest * group.size, dtype=torch.int64, device=device)
+        comm.all_gather(out, send.to(device), group, "checkpoint")
+        table = out.cpu().view(group.size, longest)
+        sizes = lengths.cpu().tolist()
+        return [pickle.loads(table[i].view(torch.uint8)[:sizes[i]].numpy().tobytes()) for i in range(group.size)]
+    return gather
+
+
+def engine_gather(engine) -> Optional[Gather]:
+    """The gather for ``engine``'s world (ZeroTopoEngine: its Communicator); None for one process."""
+    comm, groups = getattr(engine, "comm", None), getattr(engine, "groups", None)
+    if comm is None or groups is None or groups.world.size == 1:
+        return None
+    return comm_gather(comm, groups.world)
