@@ -78,8 +78,9 @@ def build_index(entries: list[Optional[dict]], first_state: dict, world_size: in
 
 
 def write_index(folder: Path, index: dict) -> None:
+    text = json.dumps(index, separators=(",", ":"))  # whole text first: a failure leaves no torn file
     with open(folder / INDEX, "w") as f:
-        json.dump(index, f, separators=(",", ":"))
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
