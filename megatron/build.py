@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron.checkpointing.checkpointer import CheckpointError
-from megatron.checkpointing.hf_io import import_hf
 from megatron.checkpointing.hf_weights import HFWeights
 from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size
@@ -80,12 +79,14 @@ def _derive_vocab(cfg, tokenizer_vocab: int):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded))
 
 
+@torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
-    _, state = import_hf(folder)
-    check_shapes({k: list(v.shape) for k, v in state.items()},
-                 {k: tuple(v.shape) for k, v in model.state_dict().items() if k in dict(model.named_parameters())},
-                 folder)
-    model.load_state_dict(state, strict=False)
+    """One process: every parameter from the HF folder, read one tensor at a time (as the sharded build)."""
+    hf = HFWeights(folder)
+    params = dict(model.named_parameters())
+    check_shapes({k: list(v) for k, v in hf.shapes().items()}, {k: tuple(v.shape) for k, v in params.items()}, folder)
+    for name, param in params.items():
+        param.copy_(hf.tensor(name))
 
 
 def build_model(cfg, runtime: Runtime) -> GPTNeoX:
