@@ -68,10 +68,10 @@ def test_zero_topo_all_quantized():
 
 def test_zero_topo_all_quantized_memory():
     # weights S/2 x 4 = 368 x 4 = 1472; grad accumulator S/4 x 4 = 184 x 4 = 736; master S/8 x 4 =
-    # 92 x 4 = 368; moments 736; error feedback, fp32, per hop input: weight hop S x 4 = 2944,
-    # stride hop S/2 x 4 = 1472, cross hop S/4 x 4 = 736 -> 5152. Total 1472 + 736 + 368 + 736 + 5152 = 8464.
+    # 92 x 4 = 368; moments 736; error feedback, fp32, on the cross-node hop only, its input S/4 x 4 =
+    # 736 (the weight and stride hops inside the node keep none). Total 1472 + 736 + 368 + 736 + 736 = 4048.
     expected = dict(weights=1472, zeropp_secondary=0, grad_accumulator=736, master=368, moments=736,
-                    error_feedback=5152, total=8464)
+                    error_feedback=736, total=4048)
     states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=ALL_QUANTIZED))
     assert states["per_rank"] == expected
     assert all(states[r] == expected for r in range(8))
@@ -103,11 +103,11 @@ def test_zeropp_qwz_qgz():
 
 def test_zeropp_qwz_qgz_memory():
     # weights S/8 x 4 = 92 x 4 = 368; secondary = INT8 message of S/4: 2 x 184 = 368; grad accumulator,
-    # master 368 each; moments 736; error feedback: hop 1 S x 4 = 2944, hop 2 S/4 x 4 = 736 -> 3680.
-    # Total 4 x 368 + 736 + 3680 = 5888.
+    # master 368 each; moments 736; error feedback on the cross-node hop 2 only, its input S/4 x 4 = 736
+    # (hop 1 inside the node keeps none). Total 4 x 368 + 736 + 736 = 2944.
     states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset="zeropp", quant=ALL_QUANTIZED))
     assert states["per_rank"] == dict(weights=368, zeropp_secondary=368, grad_accumulator=368, master=368,
-                                      moments=736, error_feedback=3680, total=5888)
+                                      moments=736, error_feedback=736, total=2944)
 
 
 def test_stage3_int8_weights_only():
@@ -181,10 +181,10 @@ def test_two_tier_zeropp_qwz_qgz():
         # control, N = 4: 456 per rank, 2 senders per tier (test_comm_model.py).
         ("control", "intra_node"): 912, ("control", "inter_node"): 912}
     # weights S/4 x 4 = 688; secondary INT8 message of S/2 = 2 x 344 = 688; accumulator, master 688;
-    # moments 1376; residuals S x 4 = 2752 + S/2 x 4 = 1376 -> 4128. Total 4 x 688 + 1376 + 4128 = 8256.
+    # moments 1376; one residual, hop 2 (across nodes): S/2 x 4 = 1376. Total 4 x 688 + 1376 + 1376 = 5504.
     assert predict_model_state_bytes(spec)["per_rank"] == dict(
-        weights=688, zeropp_secondary=688, grad_accumulator=688, master=688, moments=1376, error_feedback=4128,
-        total=8256)
+        weights=688, zeropp_secondary=688, grad_accumulator=688, master=688, moments=1376, error_feedback=1376,
+        total=5504)
 
 
 # -- settings and refusals ----------------------------------------------------------------------
@@ -271,8 +271,11 @@ def test_error_feedback_changes_memory_not_traffic(preset):
     with_feedback = predict_model_state_bytes(spec_on)["per_rank"]
     without = predict_model_state_bytes(spec_off)["per_rank"]
     assert "error_feedback" not in without
-    assert with_feedback["error_feedback"] > 0
-    assert with_feedback["total"] - with_feedback["error_feedback"] == without["total"]
+    if preset in ("zero_topo", "zeropp"):  # a quantized hop across nodes after the node's reduction
+        assert with_feedback["error_feedback"] > 0
+        assert with_feedback["total"] - with_feedback["error_feedback"] == without["total"]
+    else:  # their quantized hops take the whole unit: a residual there would be a model copy
+        assert with_feedback == without
 
 
 @pytest.mark.parametrize("preset", ["zero_topo", "zeropp", "stage1", "hsdp"])

@@ -330,13 +330,14 @@ def test_inter_node_bytes_fall(eight):
 def test_error_feedback_residuals_are_memory(eight):
     sizes = eight[0]["quant"]["unit_sizes"]
     mem = eight[0]["ef_memory"]
-    # Hop inputs: weight hop S, stride hop S/2, cross hop S/4, four bytes each.
-    assert mem["error_feedback"] == sum(4 * (s + s // 2 + s // 4) for s in sizes)
-    assert eight[0]["ef_residual_sizes"] == {"weight": sizes[0], "stride": sizes[0] // 2, "cross": sizes[0] // 4}
+    # Only the cross-node hop keeps a residual, sized as its input, the rank's S/g = S/4 accumulator
+    # (the weight hop's would be S: a full fp32 model copy per rank), four bytes each.
+    assert mem["error_feedback"] == sum(4 * (s // 4) for s in sizes) == mem["grad_accum"]
+    assert eight[0]["ef_residual_sizes"] == {"cross": sizes[0] // 4}
     assert mem["weights"] == sum(s // 2 * 4 for s in sizes)  # the other categories are unchanged
     zpp = eight[0]["zeropp_memory"]
-    # zeropp qgZ: node hop S, rail hop S/4; the secondary copy is one INT8 message of S/4.
-    assert zpp["error_feedback"] == sum(4 * (s + s // 4) for s in sizes)
+    # zeropp qgZ: the rail hop (across nodes) S/4 only; the secondary copy is one INT8 message of S/4.
+    assert zpp["error_feedback"] == sum(4 * (s // 4) for s in sizes)
     assert zpp["secondary"] == sum(_msg(s // 4, 8) for s in sizes)
     assert eight[0]["secondary_dtype"] == "torch.uint8"
 

@@ -166,7 +166,7 @@ class ZeroConfig:
                                        key="zero_optimization.zero_quantized_refresh")
     quantization_block_size: int = doc(256, "Elements per quantization block (one fp32 scale each); unit buffers are padded so no block straddles a shard. 256: INT4 gradients at 2048 cost 2.3% validation loss after 30 tiny-cpu steps, 0.3% at 256 (docs/quantization.md).",
                                        key="zero_optimization.quantization_block_size", ge=1)
-    quantization_error_feedback: bool = doc(False, "Keep each quantized reduction hop's local residual and add it next step (error feedback).",
+    quantization_error_feedback: bool = doc(False, "Error feedback: keep the local residual of the quantized gradient hop across nodes (zero_topo's cross hop: S/g fp32 per rank; zeropp's second qgZ hop: S/R) and add it next step; hops inside a node keep none.",
                                             key="zero_optimization.quantization_error_feedback")
     weight_gather_bits: Optional[int] = doc(None, "Bits of the weight gathers (forward, backward, recompute, eval): 8 = INT8 blocks, 0 = compute dtype; None = 8 when zero_quantized_weights, else 0.",
                                             key="zero_optimization.weight_gather_bits", choices=(0, 8))

@@ -154,21 +154,28 @@ class ZeroTopoEngine:
         return [(name, group) for name, group in hops if group.size > 1]
 
     def _allocate_residuals(self) -> None:
-        """Error feedback: one fp32 residual per unit per quantized reduction hop, sized like the
-        hop's input (model state from the start, so memory does not change after the first step)."""
+        """Error feedback on the reduction hop that crosses nodes, sized like this rank's input to it:
+        the ladder's cross hop (S/g, the rank's gradient accumulator) or qgZ's rail hop (S/R, the
+        node-reduced share). Hops inside a node keep no residual: the first one's input is the whole
+        unit, so its residual would be an fp32 copy of the model on every rank (82 GB per GCD at
+        20B). Model state from the start, so memory does not change after the first step."""
         if not self.quant.error_feedback:
             return
+        g = self.groups
         hops = []
-        if self.quant.grad_bits:
-            divisor = 1
-            for name, group in self._micro_hops():
-                hops.append((name, divisor))
-                divisor *= group.size
-        if self.quant.cross_bits and self.groups.cross.size > 1:
-            hops.append(("cross", self.groups.factors.g))
+        if self.quant.grad_bits and self.hpz and g.rail.size > 1:
+            hops.append(("rail", g.node.size))
+        if self.quant.cross_bits and g.cross.size > 1:
+            hops.append(("cross", g.factors.g))
         for unit in self.units:
             unit.residuals = {name: torch.zeros(unit.size // divisor, dtype=torch.float32, device=self.device)
                               for name, divisor in hops}
+
+    def _reset_residuals(self) -> None:
+        """A skipped step's residuals measured an overflowed gradient: start them again from zero."""
+        for unit in self.units:
+            for residual in unit.residuals.values():
+                residual.zero_()
 
     def _install_hooks(self, unit: FlatUnit) -> list:
         return [unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u)),
@@ -321,7 +328,8 @@ class ZeroTopoEngine:
             if self.hpz:  # qgZ: node hop, then rail hop; the swizzle lands chunk r on rank r
                 grad = qgz_swizzle(grad, self.groups.rail.size, self.groups.node.size)
             hops = [(group, unit.residuals.get(name)) for name, group in self._micro_hops()]
-            unit.grad_accum.add_(self.qcomm.reduce(grad, hops, "grad_reduce", self.quant.grad_bits))
+            unit.grad_accum.add_(self.qcomm.reduce(grad, hops, "grad_reduce", self.quant.grad_bits,
+                                                   residual_scale=self.loss_scale.scale))
             return
         for group in (self.groups.weight, self.groups.stride):
             grad = self._reduce_scatter(grad, group, "grad_reduce")
@@ -355,7 +363,7 @@ class ZeroTopoEngine:
         grad = unit.grad_accum
         if cross.size > 1 and self.quant.cross_bits:  # quantized from the fp32 accumulator
             grad = self.qcomm.reduce(grad, [(cross, unit.residuals.get("cross"))], "cross_grad_reduce",
-                                     self.quant.cross_bits)
+                                     self.quant.cross_bits, residual_scale=self.loss_scale.scale)
         elif cross.size > 1:
             grad = self._reduce_scatter(grad.to(self.boundary_dtype), cross, "cross_grad_reduce")
         if replica.size > 1:
@@ -421,6 +429,8 @@ class ZeroTopoEngine:
                 adamw_update(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.decay_ranges,
                              lr=lr, step=self.step_count, hyper=self.hyper)
                 self._refresh(unit, "refresh")
+        else:
+            self._reset_residuals()
         self.loss_scale.update(finite)
         if self.qcomm is not None:
             self.qcomm.overflow = False

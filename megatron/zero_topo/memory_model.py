@@ -18,7 +18,7 @@ def predict_model_state_bytes(spec: CommSpec) -> dict:
     Categories: weights (S/w x c), zeropp_secondary (zeropp only: S/R x c, or the packed message of
     S/R elements with quantized weights), grad_accumulator (S/g x 4), master (S/os x 4), moments
     (2 x S/os x 4), error_feedback (present only when ``quant.error_feedback`` keeps a residual, i.e.
-    some reduction hop is quantized: see ``error_feedback_elements``), and their 'total'. Every rank holds equal shards (S is padded to a
+    the reduction hop across nodes is quantized: see ``error_feedback_elements``), and their 'total'. Every rank holds equal shards (S is padded to a
     multiple of the sharding), so all ranks report the same bytes; the per-rank form is kept so a
     measured table can be compared rank by rank.
     """
@@ -45,20 +45,18 @@ def predict_model_state_bytes(spec: CommSpec) -> dict:
 
 
 def error_feedback_elements(spec: CommSpec, padded_numel: int) -> int:
-    """fp32 residual elements kept for one unit of S = ``padded_numel``: one residual per quantized
-    reduction hop, sized as that hop's input. Ladder: weight hop S, stride hop S/w, cross hop S/g;
-    zeropp (qgZ): node hop S, same-local-rank hop S/R. A hop over a group of one rank does not exist
-    (no collective, nothing quantized), so it keeps no residual."""
+    """fp32 residual elements kept for one unit of S = ``padded_numel``. Error feedback corrects the
+    reduction hop that crosses nodes only, with a residual the size of this rank's input to it: the
+    ladder's cross hop S/g (over os/g ranks), zeropp's rail hop S/R (over N/R ranks). The hops
+    inside a node keep none. A hop over a group of one rank does not exist (no collective,
+    nothing quantized), so it keeps no residual either."""
     if not spec.quant.error_feedback:
         return 0
     w, g, os_ = spec.resolved_factors()
     n, r, s = spec.world_size, spec.ranks_per_node, padded_numel
-    grad, cross = spec.quant.grad_reduce_bits, spec.quant.cross_node_grad_bits
-    if spec.is_zeropp:  # (group size, input elements, bits) per hop
-        hops = [(r, s, grad), (n // r, s // r, grad)]
-    else:
-        hops = [(w, s, grad), (g // w, s // w, grad), (os_ // g, s // g, cross)]
-    return sum(numel for k, numel, bits in hops if k > 1 and bits)
+    if spec.is_zeropp:
+        return s // r if n // r > 1 and spec.quant.grad_reduce_bits else 0
+    return s // g if os_ // g > 1 and spec.quant.cross_node_grad_bits else 0
 
 
 def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,

@@ -133,10 +133,15 @@ class QuantizedCollectives:
         self.overflow = False
 
     # -- encoding ---------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, bits: int, residual: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` (+ the error-feedback ``residual``, which becomes what this quantization lost)."""
-        x_in = x.float() + residual if residual is not None else x
+    def encode(self, x: torch.Tensor, bits: int, residual: Optional[torch.Tensor] = None,
+               residual_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` (+ the error-feedback ``residual``, which becomes what this quantization lost).
+
+        The residual is kept in unscaled units: ``x`` carries the loss scale ``residual_scale``, so
+        the residual is multiplied by it on the way in and divided by it on the way out (exact for
+        the powers of two a dynamic loss scale takes), and a changed scale needs no rescaling.
+        """
+        x_in = x.float() + residual * residual_scale if residual is not None else x
         try:
             codes, scales = self.quantizer.quantize(x_in, bits, self.block)
         except QuantizationError:
@@ -147,6 +152,8 @@ class QuantizedCollectives:
             codes, scales = self.quantizer.quantize(x_in, bits, self.block)
         if residual is not None:
             residual.copy_(x_in - self.quantizer.dequantize(codes, scales, bits, self.block))
+            if residual_scale != 1.0:
+                residual.div_(residual_scale)
         return codes, scales
 
     def roundtrip(self, x: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -189,17 +196,18 @@ class QuantizedCollectives:
 
     # -- reductions -------------------------------------------------------------------------------
     def reduce(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
-               bits: int) -> torch.Tensor:
+               bits: int, residual_scale: float = 1.0) -> torch.Tensor:
         """Sum ``x`` over a chain of groups; at each hop this rank keeps the chunk of its member index.
 
         ``hops``: (group, error-feedback residual of that hop's input or None), groups of one rank
         left out by the caller. Each hop is an all-to-all of k messages of n/k elements; between
         hops the fused dequantize-sum-requantize (which also applies the next hop's residual); the
-        last hop ends in the fp32 sum, which is returned (n / prod(k) elements).
+        last hop ends in the fp32 sum, which is returned (n / prod(k) elements). Residuals are in
+        unscaled units; ``residual_scale`` is the loss scale ``x`` carries (see ``encode``).
         """
         if not hops:
             return x.float()
-        codes, scales = self.encode(x, bits, hops[0][1])
+        codes, scales = self.encode(x, bits, hops[0][1], residual_scale)
         numel = x.numel()
         for i, (group, _residual) in enumerate(hops):
             send = pack_messages(codes, scales, group.size)
@@ -208,8 +216,14 @@ class QuantizedCollectives:
             numel //= group.size
             codes_k, scales_k = unpack_messages(received, group.size, numel, bits, self.block)
             if i + 1 < len(hops):  # the fused kernel also applies the next hop's residual
+                residual = hops[i + 1][1]
+                scaled = residual is not None and residual_scale != 1.0
+                if scaled:  # the kernel works in the message's (scaled) units
+                    residual.mul_(residual_scale)
                 codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, bits, self.block,
-                                                                 residual=hops[i + 1][1])
+                                                                 residual=residual)
+                if scaled:
+                    residual.div_(residual_scale)
         return self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, bits, self.block)
 
 

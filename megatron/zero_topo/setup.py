@@ -37,7 +37,12 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     if quant.enabled:
         log_print(f"quantized collectives: {quant.summary()}", groups.rank)
     accumulation = cfg.training.gradient_accumulation_steps or 1
-    return ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
+    engine = ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
                           prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize)
+    if quant.error_feedback and not any(unit.residuals for unit in engine.units):
+        log_print("quantization_error_feedback: no residual is kept in this layout (error feedback "
+                  "corrects only a quantized gradient hop across nodes that follows the node's "
+                  "reduction: zero_topo's cross hop, zeropp's second qgZ hop)", groups.rank)
+    return engine
