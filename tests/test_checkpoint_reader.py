@@ -286,7 +286,7 @@ def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> 
     for name, preset, refresh_bits, weights_only, weight_chunk in LOAD_CASES:
         engine = make(preset, refresh_bits)
         reader = CheckpointReader(step_dir, rank)
-        if weight_chunk == "files":  # the training path
+        if weight_chunk == "refresh":  # the training path
             engine.load_checkpoint(reader, weights_only=weights_only)
         else:
             state_io.load_from_reader(engine, reader, weights_only=weights_only, weight_chunk=weight_chunk)

@@ -490,8 +490,9 @@ class ZeroTopoEngine:
         state_io.load_full_state(self, full)
 
     def load_checkpoint(self, reader, weights_only: bool = False) -> None:
-        """Load this rank's slices from a checkpoint reader (megatron.checkpointing), reading only the
-        pieces that overlap them."""
+        """Load this rank's slices from a checkpoint reader (megatron.checkpointing): only the pieces
+        that overlap its 1/os optimizer slice are read; the weight chunk is rebuilt by one refresh
+        (state_io.load_from_reader, ``weight_chunk="refresh"``)."""
         state_io.load_from_reader(self, reader, weights_only=weights_only)
 
     def model_state_bytes(self) -> dict[str, int]:
