@@ -46,3 +46,19 @@ def test_measured_build_peak_matches_the_memory_model(tmp_path, tiny_corpus, zer
     for rank in ranks:
         measured = rank["peak_rss"]["build"] - rank["baseline_rss"]
         assert predicted / 1.5 < measured < 1.5 * predicted, (measured, predicted)
+
+
+def test_peak_model_by_hand():
+    """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
+    S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""
+    from megatron.zero_topo.comm_model import CommSpec
+    peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="zero_topo", compute_bytes=2))
+    # states: weights 680/2 x 2 = 680, accumulator 680/4 x 4 = 680, master 85 x 4 = 340, moments 680
+    assert peaks["build"] == {"states": 2380, "unit being built": 240 * 4 + 240 * 4 + 240 * 2, "total": 4780}
+    assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
+                             "reduction output": 120 * 2, "activations": 0, "total": 4060}
+    assert peaks["save"] == {"states": 2380, "checkpoint pieces": 3 * 85 * 4, "total": 3400}
+    # load: every unit's three fp32 slices mapped (3 x 85 x 4), and the 240-unit's staging: its three
+    # slices 3 x 30 x 4, the bf16 cast of its master 30 x 2, the cross hop's S/4 x 2 = 120
+    assert peaks["load"] == {"states": 2380, "mapped pages": 1020, "unit being loaded": 360 + 60 + 120,
+                             "total": 3940}

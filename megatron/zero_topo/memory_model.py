@@ -93,11 +93,14 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
       unit's gradient (S x c) and the reduction's first output (S / w x c), plus the activations.
     - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces.
-    - load: the states, plus one unit's pieces read from the files (the weight shard and the three
-      fp32 optimizer slices), once mapped from the file and once copied.
+    - load: the states, plus the checkpoint pages read (the three fp32 optimizer slices of every
+      unit, memory-mapped until the load ends: clean file pages, host memory the kernel can
+      reclaim, but resident and so in the measured peak), plus the largest unit's staging: its
+      three slices copied out and the weight refresh's buffers (the master cast to the compute
+      dtype, S/os x c, unless already fp32, and the cross hop's S/g x c result).
     """
     states = predict_model_state_bytes(spec)["per_rank"]["total"]
-    w, _g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.resolved_factors()
     c = spec.compute_bytes
     sizes = padded_unit_numels(spec)
     largest = max(sizes)
@@ -108,8 +111,9 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
         "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
                  "unit gradient": largest * c, "reduction output": largest // w * c, "activations": activations},
         "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES},
-        "load": {"states": states,
-                 "pieces read": 2 * max(s // w + 3 * (s // os_) for s in sizes) * FP32_BYTES},
+        "load": {"states": states, "mapped pages": 3 * sum(s // os_ for s in sizes) * FP32_BYTES,
+                 "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
+                                          + (s // g) * c for s in sizes)},
     }
     for phase in terms.values():
         phase["total"] = sum(phase.values())
