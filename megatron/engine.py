@@ -13,6 +13,7 @@ from torch import nn
 
 from megatron.checkpointing.param_slices import check_shapes, make_engine_state
 from megatron.config.schema import OptimizerConfig
+from megatron.zero_topo.optimizer import portable_loss_scale
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
 
@@ -116,7 +117,7 @@ class LocalEngine:
                            "master": param.detach().float().flatten().cpu().clone(),
                            "exp_avg": state.get("exp_avg", zeros).detach().float().flatten().cpu().clone(),
                            "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().float().flatten().cpu().clone()})
-        return make_engine_state(pieces, shapes, step, {"loss_scaler": self.scaler.state_dict()})
+        return make_engine_state(pieces, shapes, step, {"loss_scaler": portable_loss_scale(self.scaler.state_dict())})
 
     @torch.no_grad()
     def load_full_state(self, full: dict) -> None:
@@ -129,8 +130,7 @@ class LocalEngine:
                     "step": torch.tensor(float(full["step"])),
                     "exp_avg": full["exp_avg"][name].to(param.device, param.dtype).clone(),
                     "exp_avg_sq": full["exp_avg_sq"][name].to(param.device, param.dtype).clone()}
-        if full.get("loss_scaler"):
-            self.scaler.load_state_dict(full["loss_scaler"])
+        self._load_loss_scale(full.get("loss_scaler"))
 
     @torch.no_grad()
     def load_checkpoint(self, reader, weights_only: bool = False) -> None:
@@ -148,6 +148,13 @@ class LocalEngine:
                     "step": torch.tensor(float(step)),
                     "exp_avg": values["exp_avg"].view(param.shape).to(param.device, param.dtype),
                     "exp_avg_sq": values["exp_avg_sq"].view(param.shape).to(param.device, param.dtype)}
-        scaler = reader.shared.get("loss_scaler")
-        if scaler:
-            self.scaler.load_state_dict(scaler)
+        self._load_loss_scale(reader.shared.get("loss_scaler"))
+
+    def _load_loss_scale(self, state) -> None:
+        """Either engine's saved loss scale into the GradScaler (when this run scales the loss)."""
+        portable = portable_loss_scale(state)
+        if portable is None or not self.scaler.is_enabled():
+            return
+        own = self.scaler.state_dict()
+        own.update(scale=portable["scale"], _growth_tracker=portable["clean_steps"] % own["growth_interval"])
+        self.scaler.load_state_dict(own)

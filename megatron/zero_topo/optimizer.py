@@ -74,4 +74,20 @@ class DynamicLossScale:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        portable = portable_loss_scale(state)
+        if portable is not None and self.enabled:  # a bf16/fp32 run resuming fp16 keeps scale 1
+            self.scale, self.clean_steps = portable["scale"], portable["clean_steps"]
+
+
+def portable_loss_scale(state: dict | None) -> dict | None:
+    """A saved loss-scale state in the one form checkpoints carry, ``{"scale", "clean_steps"}``,
+    from either engine's: DynamicLossScale's (already that form) or torch GradScaler's (``scale``,
+    ``_growth_tracker``), so an fp16 checkpoint resumes on either engine. None when there is none
+    (an empty dict is what a disabled GradScaler saves)."""
+    if not state:
+        return None
+    if "clean_steps" in state:
+        return {"scale": float(state["scale"]), "clean_steps": int(state["clean_steps"])}
+    if "_growth_tracker" in state:
+        return {"scale": float(state["scale"]), "clean_steps": int(state["_growth_tracker"])}
+    raise ValueError(f"unknown loss-scale state with keys {sorted(state)}")
