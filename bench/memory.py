@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron.config import load_config  # noqa: E402
 from megatron.model.sizes import activation_bytes, parameter_count  # noqa: E402
+from megatron.topology import ShardLayout  # noqa: E402
 from megatron.zero_topo.memory_model import PEAK_PHASES, predict_peak_bytes  # noqa: E402
 from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
 
@@ -136,7 +137,8 @@ def print_20b(markdown: bool) -> None:
     vocab = cfg.model.padded_vocab_size
     acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, 2)
     peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts)
-    print(f"20B on 48 Frontier nodes ({cfg.zero.resolved_preset} {tuple(cfg.zero.resolved_factors)}, bf16, "
+    layout = ShardLayout.from_config(cfg)
+    print(f"20B on 48 Frontier nodes ({layout.preset} {layout.factors.as_tuple()}, bf16, "
           f"micro-batch {cfg.training.train_micro_batch_size_per_gpu} x {cfg.model.seq_length} tokens, "
           f"activation checkpointing {'on' if cfg.model.checkpoint_activations else 'off'}): predicted GB per GCD")
     terms = sorted({t for phase in peaks.values() for t in phase if t != "total"})

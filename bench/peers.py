@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.config import NeoXConfig, load_config  # noqa: E402
 from megatron.engine import adamw_param_groups, lm_loss  # noqa: E402
 from megatron.model import GPTNeoX  # noqa: E402
+from megatron.topology import ShardLayout  # noqa: E402
 
 PEERS = ("ours", "deepspeed", "fsdp2")
 PRESETS = ("zero3", "hsdp")
@@ -172,11 +173,13 @@ def train_deepspeed(cfg: NeoXConfig, rank: int, steps: int) -> dict:
 def train_fsdp2(cfg: NeoXConfig, rank: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    if cfg.zero.resolved_preset == "hsdp":
-        nodes, per_node = LAYOUT
-        mesh = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    layout = ShardLayout.from_config(cfg)  # the mesh mirrors our sharding: os ranks shard, N/os replicate
+    shard = layout.factors.os
+    replicas = layout.world_size // shard
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
     model = build_model(cfg)
     for unit in model.units():  # the same units our engine shards, then the root
         fully_shard(unit, mesh=mesh)

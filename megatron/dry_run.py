@@ -1,7 +1,7 @@
 """`deepy.py --dry-run`: what a launch would do, printed without starting or writing anything.
 
 The command lines and environments are `launcher.plan_launch`'s, the very plan `launch` executes;
-the groups are the engine's (`megatron.topology`); the memory is the memory model's prediction of
+the sharding and its groups are the engine's (`megatron.topology.ShardLayout`); the memory is the memory model's prediction of
 model states per device (weights, gradient accumulator, fp32 master and Adam moments, error
 feedback), not activations or the units gathered in flight.
 """
@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron.config import NeoXConfig, world_size_of
 from megatron.launcher import LaunchPlan, slurm_hosts
-from megatron.topology import TIER_NAMES, Topology, group_ranks, resolve_factors
+from megatron.topology import TIER_NAMES, ShardLayout, Topology
 from megatron.topology.allocation import allocation_from_env
 
 GB = 1e9
@@ -94,13 +94,12 @@ def _tier_noun(name: str) -> str:
 
 
 def _sharding_section(cfg: NeoXConfig, topology: Topology) -> list[str]:
-    factors, preset = resolve_factors(cfg.zero, topology)
-    w, g, os_ = factors.as_tuple()
-    name = cfg.zero.resolved_preset
-    lines = [f"sharding: {name}, (w, g, os) = ({w}, {g}, {os_}) on N = {topology.world_size}"]
-    kinds = ZEROPP_GROUPS if preset == "zeropp" else LADDER_GROUPS
+    layout = ShardLayout.from_config(cfg)
+    w, g, os_ = layout.factors.as_tuple()
+    lines = [f"sharding: {layout.preset}, (w, g, os) = ({w}, {g}, {os_}) on N = {layout.world_size}"]
+    kinds = ZEROPP_GROUPS if layout.hpz else LADDER_GROUPS
     for kind, what in kinds:
-        ranks = group_ranks(kind, 0, topology.world_size, factors, topology.ranks_per_node)
+        ranks = layout.group(kind, 0)
         lines.append(f"  {kind:<8} group of {len(ranks):>4}: {what}; spans {_span(ranks, topology)}; "
                      f"rank 0's: {_members(ranks)}")
     return lines

@@ -176,7 +176,7 @@ def test_per_rank_sums_to_total(preset):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(layout=(8,), preset="stage3"), "layout"),
-    (dict(layout=(2, 2, 2), preset="stage4"), "unknown preset"),
+    (dict(layout=(2, 2, 2), preset="stage4"), "unknown ZeRO preset"),
     (dict(layout=(2, 2, 2), factors=(2, 3, 6)), "w | g | os"),
     (dict(layout=(2, 2, 2), factors=(2, 4, 16)), "w | g | os"),
     (dict(layout=(2, 2, 2), preset="hsdp", factors=(1, 1, 1)), "exactly one"),

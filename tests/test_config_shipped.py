@@ -95,7 +95,7 @@ def test_gpt_neox_sample_combination_like_its_readme():
     notices: list = []
     cfg = load_config([str(NEOX_SAMPLES / "125M.yml"), str(NEOX_SAMPLES / "local_setup.yml")], env={}, notices=notices)
     assert cfg.data.data_path == "data/enwik8/enwik8_text_document" and cfg.precision.precision == "fp16"
-    assert cfg.zero.resolved_preset == "zero1" and cfg.lr_schedule.warmup_iters == 3200
+    assert cfg.zero.resolved_preset == "stage1" and cfg.lr_schedule.warmup_iters == 3200
     assert any("partition_activations" in n for n in notices)
     assert len(notices) == len(set(notices))
 

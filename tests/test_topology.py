@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.topology import (
-    ProcessGroups, ShardChunks, ShardFactors, Topology, TopologyError, chunk_range, group_ranks, preset_factors,
-    resolve_factors, shard_map, validate_factors,
+    ProcessGroups, ShardChunks, ShardFactors, ShardLayout, Topology, TopologyError, chunk_range, group_ranks,
+    preset_factors, validate_factors,
 )
 
 
@@ -111,7 +111,8 @@ def test_worked_example_shard_map():
         0: (0, 0, 0), 1: (1, 2, 4), 2: (0, 1, 2), 3: (1, 3, 6),
         4: (0, 0, 1), 5: (1, 2, 5), 6: (0, 1, 3), 7: (1, 3, 7),
     }
-    assert shard_map(8, 2, 4, 8) == [ShardChunks(*table[r]) for r in range(8)]
+    layout = ShardLayout((2, 2, 2), ShardFactors(2, 4, 8))
+    assert [layout.chunks(r) for r in range(8)] == [ShardChunks(*table[r]) for r in range(8)]
     groups = {kind: sorted({group_ranks(kind, r, 8, ShardFactors(2, 4, 8), 4) for r in range(8)})
               for kind in ("weight", "stride", "cross", "replica")}
     assert groups["weight"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -132,7 +133,8 @@ def test_shards_nest_and_groups_compose(n, rpn):
     size = 4 * n
     for w, g, os in _valid_factors(n):
         factors = ShardFactors(w, g, os)
-        table = shard_map(n, w, g, os)
+        layout = ShardLayout((n // rpn, rpn), factors)
+        table = [layout.chunks(r) for r in range(n)]
         for r, c in enumerate(table):
             wr, gr, orr = chunk_range(size, w, c.weight), chunk_range(size, g, c.grad), chunk_range(size, os, c.opt)
             assert wr[0] <= gr[0] < gr[1] <= wr[1] and gr[0] <= orr[0] < orr[1] <= gr[1], (w, g, os, r)
@@ -147,7 +149,7 @@ def test_shards_nest_and_groups_compose(n, rpn):
             assert sorted(table[r].opt for r in range(block * os, block * os + os)) == list(range(os))
 
 
-def test_preset_factors_and_config_resolution():
+def test_preset_factors_and_resolution_from_config_parts():
     three, two = Topology.simulated([2, 2, 2]), Topology.simulated([2, 2])
     assert preset_factors("zero_topo", three).as_tuple() == (2, 4, 8)
     assert preset_factors("zero_topo", two).as_tuple() == (2, 2, 4)
@@ -156,12 +158,13 @@ def test_preset_factors_and_config_resolution():
     assert preset_factors("zeropp", three).as_tuple() == (8, 8, 8)
     with pytest.raises(TopologyError, match="unknown ZeRO preset"):
         preset_factors("zero4", three)
-    zero = SimpleNamespace(stage=2, preset=None, shard_factors=None)
-    assert resolve_factors(zero, three) == (ShardFactors(1, 8, 8), "stage2")
-    assert resolve_factors(SimpleNamespace(stage=3, preset="hsdp", shard_factors=None), three)[1] == "hsdp"
-    assert resolve_factors(SimpleNamespace(stage=3, preset="hsdp", shard_factors=[1, 2, 4]), three) == (ShardFactors(1, 2, 4), None)
+    tiers = (2, 2, 2)
+    assert ShardLayout.resolve(tiers, stage=2) == ShardLayout(tiers, ShardFactors(1, 8, 8), "stage2")
+    assert ShardLayout.resolve(tiers, stage=3, preset="hsdp").preset == "hsdp"
+    assert ShardLayout.resolve(tiers, stage=3, preset="hsdp", shard_factors=[1, 2, 4]) == ShardLayout(
+        tiers, ShardFactors(1, 2, 4), "custom")
     with pytest.raises(TopologyError, match="does not divide"):
-        resolve_factors(SimpleNamespace(stage=0, preset=None, shard_factors=[2, 3, 6]), three)
+        ShardLayout.resolve(tiers, shard_factors=[2, 3, 6])
 
 
 def test_process_groups_rank_lists_without_processes():

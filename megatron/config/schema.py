@@ -182,7 +182,7 @@ class ZeroConfig:
                                  key="zero_optimization.prefetch_gathers")
     resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
                                            key="zero_optimization.resolved_factors", derived=True)
-    resolved_preset: Optional[str] = doc(None, "Derived: what the factors are called: ddp, zero1, zero2, zero3, hsdp, zeropp, zero_topo or custom.",
+    resolved_preset: Optional[str] = doc(None, "Derived: the layout's name (megatron/topology/layout.py): stage0..stage3 (from stage), hsdp, zeropp, zero_topo, or custom for explicit shard_factors.",
                                           key="zero_optimization.resolved_preset", derived=True)
 
 

@@ -14,11 +14,11 @@ from megatron.config.errors import ConfigError, config_error
 from megatron.config.routing import GROUPS, Routed, yaml_key_of
 from megatron.config.schema import NeoXConfig
 from megatron.topology.allocation import NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch
+from megatron.topology.layout import SINGLE_PROCESS, ZEROPP, ShardLayout
 from megatron.topology.topology import TopologyError
 
 CHAR_LEVEL_VOCAB = 512
 PRESET_NODE_SHAPE = {"frontier": [4, 2], "dgx": [8]}  # ranks per node, slowest tier first
-STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
 def pad_vocab_size(vocab_size: int, divisor: int) -> int:
@@ -258,43 +258,25 @@ def _batch(cfg: NeoXConfig, ctx: _Context, env) -> None:
     tr.train_batch_size, tr.train_micro_batch_size_per_gpu, tr.gradient_accumulation_steps = batch, micro, accum
 
 
-def check_factors(factors: list, world_size: int) -> Optional[str]:
-    """None when w | g | os | N; else which divisibility fails."""
-    w, g, os_ = factors
-    for small, big, name_small, name_big in ((w, g, "w", "g"), (g, os_, "g", "os"), (os_, world_size, "os", "N")):
-        if big % small:
-            return f"{name_small}={small} does not divide {name_big}={big}"
-    return None
-
-
 def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
-    z, layout, n = cfg.zero, cfg.topology.layout, cfg.topology.world_size
-    per_node = math.prod(layout[1:]) if layout else 1
-    fastest = layout[-1] if layout else 1
+    """resolved_factors / resolved_preset from the one ShardLayout (megatron/topology/layout.py)."""
+    z = cfg.zero
+    tiers = cfg.topology.layout or SINGLE_PROCESS
     hpz = z.zero_hpz_partition_size
     if hpz > 1:
         if z.shard_factors is None and z.preset is None and z.stage != 3:
             raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} needs stage 3 (ZeRO++ hpZ)", "set stage: 3 or preset: zeropp")
-        if hpz != per_node:
-            raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} is not the ranks per node ({per_node}) of this layout",
-                            f"set it to {per_node} or use preset: zeropp")
         if z.shard_factors is None and z.preset is None:
-            z.preset = "zeropp"
-    if z.shard_factors is not None:
-        if not _positive_ints(z.shard_factors, (3,)):
-            raise ctx.error("zero.shard_factors", f"expected [w, g, os] of positive integers, got {z.shard_factors}")
-        factors, name = list(z.shard_factors), "custom"
-    elif z.preset is not None:
-        factors = {"hsdp": [per_node] * 3, "zeropp": [n] * 3, "zero_topo": [fastest, per_node, n]}[z.preset]
-        name = z.preset
-    else:
-        factors = {0: [1, 1, 1], 1: [1, 1, n], 2: [1, n, n], 3: [n, n, n]}[z.stage]
-        name = STAGE_NAMES[z.stage]
-    problem = check_factors(factors, n)
-    if problem:
-        target = "zero.shard_factors" if z.shard_factors is not None else "zero.preset"
-        raise ctx.error(target, f"{factors} do not nest on {n} ranks: {problem}", "shard factors need w | g | os | N")
-    z.resolved_factors, z.resolved_preset = factors, name
+            z.preset = ZEROPP
+    try:
+        layout = ShardLayout.resolve(tiers, z.stage, z.preset, z.shard_factors)
+    except TopologyError as err:
+        target = "zero.shard_factors" if z.shard_factors is not None else "zero.preset" if z.preset else "zero.stage"
+        raise ctx.error(target, str(err), "pick factors that nest, or a preset") from None
+    if hpz > 1 and hpz != layout.ranks_per_node:
+        raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} is not the ranks per node ({layout.ranks_per_node}) of this layout",
+                        f"set it to {layout.ranks_per_node} or use preset: zeropp")
+    z.resolved_factors, z.resolved_preset = list(layout.factors.as_tuple()), layout.preset
 
 
 def _launcher(cfg: NeoXConfig, ctx: _Context, env) -> None:

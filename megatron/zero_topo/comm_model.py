@@ -1,8 +1,11 @@
 """Analytic communication model of the ZeRO-topo engine: bytes per (phase, tier) (step time: comm_time.py).
 
 This module restates the algorithm of ``docs/engine.md`` from scratch and imports nothing from the
-engine or from ``megatron.topology``: the tests compare the engine's byte ledger with this
-prediction entry by entry, so the two must be independent statements of the same algorithm.
+engine (nor its flat units, collectives or quantizer): the tests compare the engine's byte ledger
+with this prediction entry by entry, so the two must be independent statements of the same
+algorithm. What both sides take as given is the shard layout (``megatron.topology.layout``: a
+preset's factors, the padding quantum); the groups' members, the collectives and their bytes are
+restated here.
 
 Vocabulary shared with the ledger: a *collective* (op) runs in every *group* of one kind (weight,
 stride, cross, replica, node, same_local, world); in a ring collective each member sends to the next
@@ -15,18 +18,17 @@ block scales in one uint8 buffer), a quantized reduction hop is an all-to-all of
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.config.errors import ConfigError
+from megatron.topology.layout import ShardLayout
+from megatron.topology.topology import TopologyError
 
 PHASES = ("fwd_gather", "bwd_gather", "recompute_gather", "grad_reduce", "cross_grad_reduce",
           "replica_allreduce", "refresh", "control", "eval_gather")
 # Tier names by layout depth, slowest tier first (the layout's order).
 TIERS_BY_DEPTH = {2: ("inter_node", "intra_node"), 3: ("inter_node", "intra_node", "intra_gpu")}
-LADDER_PRESETS = ("stage0", "stage1", "stage2", "stage3", "hsdp", "zero_topo")
-PRESETS = LADDER_PRESETS + ("zeropp",)
 
 ALLGATHER, REDUCE_SCATTER, ALLREDUCE, ALL_TO_ALL = "allgather", "reduce_scatter", "allreduce", "all_to_all"
 FP32_BYTES, FP64_BYTES = 4, 8
@@ -97,7 +99,7 @@ class CommSpec:
     layout: tuple
     """Tier sizes slowest first: (nodes, gpus, gcds) or (nodes, ranks per node)."""
     preset: Optional[str] = None
-    """One of PRESETS; exactly one of preset / factors is given."""
+    """A preset of ``megatron.topology.layout.PRESETS``; exactly one of preset / factors is given."""
     factors: Optional[tuple] = None
     """Explicit (w, g, os) with w | g | os | N (a ladder configuration)."""
     micro_batches: int = 1
@@ -119,6 +121,8 @@ class CommSpec:
     tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
     quant: QuantSpec = field(default_factory=QuantSpec)
     """Quantized collectives: effective bits per phase, block size, error feedback (default: none)."""
+    shard_layout: ShardLayout = field(init=False, repr=False, compare=False)
+    """Derived from layout + preset / factors by ``_validate``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_numels", tuple(int(p) for p in self.unit_numels))
@@ -130,11 +134,11 @@ class CommSpec:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.layout)
+        return self.shard_layout.world_size
 
     @property
     def ranks_per_node(self) -> int:
-        return math.prod(self.layout[1:])
+        return self.shard_layout.ranks_per_node
 
     @property
     def tiers(self) -> tuple:
@@ -142,13 +146,11 @@ class CommSpec:
 
     @property
     def is_zeropp(self) -> bool:
-        return self.preset == "zeropp"
+        return self.shard_layout.hpz
 
     def resolved_factors(self) -> tuple:
         """(w, g, os); zeropp reports (N, N, N), its primary sharding."""
-        if self.factors is not None:
-            return self.factors
-        return preset_factors(self.preset, self.layout)
+        return self.shard_layout.factors.as_tuple()
 
 
 def transformer_block_units(num_units: int) -> frozenset:
@@ -156,32 +158,16 @@ def transformer_block_units(num_units: int) -> frozenset:
     return frozenset(range(1, num_units - 1))
 
 
-def preset_factors(preset: str, layout: tuple) -> tuple:
-    """(w, g, os) of a named preset on a layout (engine.md, "Presets")."""
-    n, r = math.prod(layout), math.prod(layout[1:])
-    table = {"stage0": (1, 1, 1), "stage1": (1, 1, n), "stage2": (1, n, n), "stage3": (n, n, n),
-             "hsdp": (r, r, r), "zero_topo": (layout[-1], r, n), "zeropp": (n, n, n)}
-    if preset not in table:
-        raise CommModelError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    return table[preset]
-
-
 def _validate(spec: CommSpec) -> None:
-    if len(spec.layout) not in TIERS_BY_DEPTH or min(spec.layout) < 1:
-        raise CommModelError(f"layout must be 2 or 3 positive tier sizes, slowest first; got {spec.layout}")
     if not spec.unit_numels or min(spec.unit_numels) < 1:
         raise CommModelError("unit_numels must be a non-empty list of positive parameter counts")
     if (spec.preset is None) == (spec.factors is None):
         raise CommModelError("give exactly one of preset or factors")
-    if spec.factors is not None:
-        if len(spec.factors) != 3 or min(spec.factors) < 1:
-            raise CommModelError(f"factors must be three positive integers (w, g, os); got {spec.factors}")
-        w, g, os_ = spec.factors
-        n = spec.world_size
-        if g % w or os_ % g or n % os_:
-            raise CommModelError(f"factors (w={w}, g={g}, os={os_}) must satisfy w | g | os | N={n}")
-    else:
-        preset_factors(spec.preset, spec.layout)
+    try:
+        layout = ShardLayout.resolve(spec.layout, preset=spec.preset, shard_factors=spec.factors)
+    except TopologyError as err:
+        raise CommModelError(str(err)) from None
+    object.__setattr__(spec, "shard_layout", layout)
     if spec.micro_batches < 1 or spec.eval_forward_passes < 0:
         raise CommModelError("micro_batches must be >= 1 and eval_forward_passes >= 0")
     if spec.compute_bytes not in (2, 4):
@@ -207,19 +193,11 @@ def _validate_quant(quant: QuantSpec) -> None:
 
 # -- padding -------------------------------------------------------------------------------------
 
-def padding_quantum(spec: CommSpec) -> int:
-    """q: every unit buffer is padded to a multiple of N for every preset (engine.md): a multiple of
-    os, and the replica allreduce of an S/os slice then splits evenly over its N/os members. With any
-    phase quantized, q = N x b, so every chunk at every level is whole blocks."""
-    if spec.quant.enabled:
-        return spec.world_size * spec.quant.block_size
-    return spec.world_size
-
-
 def padded_unit_numels(spec: CommSpec) -> tuple:
-    """S_u = ceil(P_u / q) * q for every unit."""
-    q = padding_quantum(spec)
-    return tuple(-(-p // q) * q for p in spec.unit_numels)
+    """S_u = ceil(P_u / q) * q for every unit, q the layout's padding quantum: N, or N x b with any
+    phase quantized (``ShardLayout.padding_quantum`` says why)."""
+    block = spec.quant.block_size if spec.quant.enabled else None
+    return tuple(spec.shard_layout.padded_size(p, block) for p in spec.unit_numels)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -38,7 +38,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from megatron.topology.groups import ProcessGroups, RankGroup, chunks_of
+from megatron.topology.groups import ProcessGroups, RankGroup
+from megatron.topology.layout import ShardLayout
+from megatron.topology.topology import TopologyError
 from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
 from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
@@ -78,13 +80,14 @@ class ZeroTopoEngine:
         if getattr(model, "has_tied_embeddings", False):
             raise EngineError("the model ties its input and output embeddings across two units; "
                               "set no_weight_tying: true to train with the ZeRO-topo engine")
-        n, factors = groups.world_size, groups.factors
-        self.hpz = preset == "zeropp"
-        if self.hpz and factors.as_tuple() != (n, n, n):
-            raise EngineError(f"preset zeropp needs shard factors ({n}, {n}, {n}), got {factors.as_tuple()}")
+        try:  # a preset name must mean the groups' factors (zeropp: (N, N, N)); None = custom factors
+            self.layout = ShardLayout.from_topology(groups.topology, groups.factors, preset)
+        except TopologyError as err:
+            raise EngineError(str(err)) from None
+        self.hpz = self.layout.hpz
         self.model, self.loss_fn, self.groups, self.comm = model, loss_fn, groups, comm
         self.ledger = comm.ledger
-        self.preset = preset
+        self.preset = self.layout.preset
         self.accumulation_steps = accumulation_steps
         self.hyper = AdamWHyper.from_config(opt_cfg)
         self.gradient_clipping = float(opt_cfg.gradient_clipping or 0.0)
@@ -97,7 +100,7 @@ class ZeroTopoEngine:
         self.micro_count = 0           # micro-batches since the last optimizer step
         self._in_backward = False      # inside our own backward(): a unit forward is a recompute
         self._forward_phase = "eval_gather"
-        self.units = self._build_units(model, units, n, device, materialize)
+        self.units = self._build_units(model, units, device, materialize)
         self.prefetch = prefetch       # issue the next unit's gather early (prefetch.py)
         self.order = PassOrder(len(self.units))
         self.qcomm = QuantizedCollectives(comm, self.quant, self.device) if self.quant.enabled else None
@@ -107,7 +110,7 @@ class ZeroTopoEngine:
         self.ledger.reset()
 
     # -- construction -------------------------------------------------------------------------------
-    def _build_units(self, model: nn.Module, units: list[nn.Module], n: int, device: Optional[torch.device],
+    def _build_units(self, model: nn.Module, units: list[nn.Module], device: Optional[torch.device],
                      materialize: Optional[Materialize]) -> list[FlatUnit]:
         """One FlatUnit per unit, built one at a time: ``materialize(i, unit)`` (when given) makes
         unit i's parameters real right before its FlatUnit copies the rank's slices, and the full
@@ -135,15 +138,12 @@ class ZeroTopoEngine:
         if materialize is None and any(p.is_meta for p in model.parameters()):
             raise EngineError("the model has meta parameters but no materialize callback makes them real")
         self.device = device
-        chunks = chunks_of(self.groups.rank, self.groups.factors)
-        # docs/engine.md: S is a multiple of N, so every hop's buffer splits evenly; quantized, of
-        # N x block, so every chunk at every level is whole blocks.
-        multiple = n * self.quant.block if self.quant.enabled else n
+        quant_block = self.quant.block if self.quant.enabled else None  # sets the padding quantum
         built = []
         for i, (unit, slots) in enumerate(zip(units, slot_lists)):
             if materialize is not None:
                 materialize(i, unit)
-            built.append(FlatUnit(i, unit, slots, multiple, self.groups.factors, chunks, self.dtype, device))
+            built.append(FlatUnit(i, unit, slots, self.layout, self.groups.rank, quant_block, self.dtype, device))
         return built
 
     def _micro_hops(self) -> list[tuple[str, RankGroup]]:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron.topology.groups import ShardChunks, ShardFactors, chunk_range
+from megatron.topology.layout import ShardLayout, chunk_range
 
 
 class EngineError(ValueError):
@@ -50,10 +50,6 @@ def build_slots(unit: nn.Module, names_by_id: dict[int, str]) -> list[ParamSlot]
     return slots
 
 
-def padded_size(numel: int, multiple: int) -> int:
-    return max(-(-numel // multiple) * multiple, multiple)
-
-
 class FlatUnit:
     """One unit's flat buffer, its shard of the weights, gradients and optimizer states.
 
@@ -65,11 +61,14 @@ class FlatUnit:
     the size of that hop's input; set by the engine).
     """
 
-    def __init__(self, index: int, module: nn.Module, slots: list[ParamSlot], multiple: int,
-                 factors: ShardFactors, chunks: ShardChunks, dtype: torch.dtype, device: torch.device):
+    def __init__(self, index: int, module: nn.Module, slots: list[ParamSlot], layout: ShardLayout, rank: int,
+                 quant_block: Optional[int], dtype: torch.dtype, device: torch.device):
+        """``quant_block``: the quantization block when any collective is quantized, else None (it
+        changes the padding quantum: ``ShardLayout.padding_quantum``)."""
         self.index, self.module, self.slots = index, module, slots
         self.numel = sum(s.numel for s in slots)
-        self.size = padded_size(self.numel, multiple)
+        self.size = layout.padded_size(self.numel, quant_block)
+        factors, chunks = layout.factors, layout.chunks(rank)
         self.dtype = dtype
         self.weight_range = chunk_range(self.size, factors.w, chunks.weight)
         self.grad_range = chunk_range(self.size, factors.g, chunks.grad)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from megatron.config import pad_vocab_size
 from megatron.model.sizes import unit_parameter_counts
+from megatron.topology.layout import CUSTOM, ShardLayout
 from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
 
 
@@ -36,13 +37,12 @@ def quant_spec_of(zero) -> QuantSpec:
 
 
 def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
-    """One optimizer step of the configured run. The ladder presets are described by their factors
-    (the models need nothing else); zeropp, outside the ladder, by its name."""
+    """One optimizer step of the configured run, on the config's ``ShardLayout`` (by its preset's
+    name, or by its factors when they are custom)."""
     units = unit_parameter_counts(cfg.model, padded_vocab)
-    layout = tuple(cfg.topology.layout or (1, 1))
-    sharding = ({"preset": "zeropp"} if cfg.zero.resolved_preset == "zeropp"
-                else {"factors": tuple(cfg.zero.resolved_factors)})
-    return CommSpec(units, layout, quant=quant_spec_of(cfg.zero),
+    layout = ShardLayout.from_config(cfg)
+    sharding = ({"factors": layout.factors.as_tuple()} if layout.preset == CUSTOM else {"preset": layout.preset})
+    return CommSpec(units, layout.tiers, quant=quant_spec_of(cfg.zero),
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
                     compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),

@@ -1,5 +1,5 @@
 """From a validated config to a running engine, in the documented order:
-topology -> factors -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
+shard layout + topology -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
 
 The trainer calls ``engine_from_config`` once after ``init_process_group``; nothing here is global.
 """
@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from megatron.logging.metrics import log_print
-from megatron.topology import ProcessGroups, Topology, resolve_factors
+from megatron.topology import ProcessGroups, ShardLayout, Topology, TopologyError
+from megatron.topology.layout import tiers_of
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.engine import Materialize, ZeroTopoEngine
 from megatron.zero_topo.quantized import QuantSettings
@@ -29,16 +30,15 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     """
     zero = cfg.zero
     quant = QuantSettings.from_config(zero)  # the effective bits, derived here only
-    topology = topology or Topology.from_config(cfg, world_size)
-    factors, preset = resolve_factors(zero, topology)
-    groups = ProcessGroups.build(topology, factors)
+    layout, topology = layout_and_topology(cfg, world_size, topology)
+    groups = ProcessGroups.build(topology, layout.factors)
     device = device or next(model.parameters()).device
     comm = Communicator(groups, device=device)
     if quant.enabled:
         log_print(f"quantized collectives: {quant.summary()}", groups.rank)
     accumulation = cfg.training.gradient_accumulation_steps or 1
     engine = ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
-                          cfg.precision.precision, groups, comm, accumulation, preset=preset,
+                          cfg.precision.precision, groups, comm, accumulation, preset=layout.preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
                           prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize)
     if quant.error_feedback and not any(unit.residuals for unit in engine.units):
@@ -46,3 +46,14 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
                   "corrects only a quantized gradient hop across nodes that follows the node's "
                   "reduction: zero_topo's cross hop, zeropp's second qgZ hop)", groups.rank)
     return engine
+
+
+def layout_and_topology(cfg, world_size: int, topology: Optional[Topology] = None) -> tuple[ShardLayout, Topology]:
+    """The run's shard layout (``ShardLayout.from_config``) and its topology (link figures, rank
+    coordinates; default ``Topology.from_config``), checked to describe the same tiers."""
+    layout = ShardLayout.from_config(cfg)
+    topology = topology or Topology.from_config(cfg, world_size)
+    if tiers_of(topology) != layout.tiers:
+        raise TopologyError(f"topology {topology.name} has tiers {list(tiers_of(topology))} (slowest first) but "
+                            f"the config's layout is {list(layout.tiers)}")
+    return layout, topology

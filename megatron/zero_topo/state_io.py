@@ -70,8 +70,10 @@ def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
                            **{key: getattr(unit, key)[pos:pos + length].detach().cpu().clone()
                               for key in ("master", "exp_avg", "exp_avg_sq")}})
             pos += length
-    extra = {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.groups.factors.as_tuple()),
-             "preset": engine.preset}
+    # What the layout was, for readers; loading never needs it (any layout loads any checkpoint).
+    # preset: ShardLayout's name (checkpoints before it wrote None for explicit factors, now "custom").
+    extra = {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.layout.factors.as_tuple()),
+             "preset": engine.layout.preset}
     if any(unit.residuals for unit in engine.units):
         extra["error_feedback"] = {"layout": residual_layout(engine), "rank": engine.groups.rank,
                                    "residuals": [{hop: r.detach().cpu().clone() for hop, r in unit.residuals.items()}
