@@ -177,6 +177,14 @@ def residual_layout(engine: "ZeroTopoEngine") -> dict:
             "unit_sizes": [u.size for u in engine.units]}
 
 
+def _saved_layout(saved: Optional[dict]) -> Optional[dict]:
+    """A saved residual layout in today's names: explicit factors were saved as preset None before
+    the layout had a name for them ("custom")."""
+    if saved and saved.get("preset") is None:
+        return {**saved, "preset": "custom"}
+    return saved
+
+
 @torch.no_grad()
 def restore_residuals(engine: "ZeroTopoEngine", entry) -> bool:
     """Copy this rank's saved residuals back when the layout is unchanged; else leave them zero.
@@ -201,7 +209,7 @@ def restore_residuals(engine: "ZeroTopoEngine", entry) -> bool:
         reason = "the checkpoint has none"
     elif mine is None:
         reason = "the checkpoint does not carry every rank's residuals"
-    elif mine.get("layout") != layout or mine.get("rank") != rank:
+    elif _saved_layout(mine.get("layout")) != layout or mine.get("rank") != rank:
         reason = "the layout changed (world size, shard factors, block or bits), so they do not line up"
     else:
         saved = mine["residuals"]
