@@ -19,6 +19,7 @@ from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
 from megatron.engine import LocalEngine, lm_loss
+from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
 from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
@@ -28,7 +29,8 @@ from megatron.training import Trainer
 def _user_errors() -> tuple:
     from megatron.topology import TopologyError
     from megatron.zero_topo.flat_unit import EngineError
-    return (ConfigError, DataError, CheckpointError, TopologyError, EngineError)
+    from megatron.numerics import NumericsError
+    return (ConfigError, DataError, CheckpointError, TopologyError, EngineError, NumericsError)
 
 
 @contextlib.contextmanager
@@ -129,7 +131,8 @@ def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
     if not runtime.distributed:
         return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
-                           cfg.training.gradient_accumulation_steps, runtime.device)
+                           cfg.training.gradient_accumulation_steps, runtime.device,
+                           loss_scaling=LossScaleSettings.from_precision(cfg.precision.precision, cfg.precision.fp16))
     from megatron.zero_topo.setup import engine_from_config
     engine = engine_from_config(cfg, model, lm_loss, runtime.world_size, device=runtime.device,
                                 materialize=unit_materializer(model, cfg.checkpoint.load_hf))

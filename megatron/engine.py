@@ -6,14 +6,15 @@ sharded state, so the loop never changes with the sharding.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import math
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
 from megatron.checkpointing.param_slices import check_shapes, make_engine_state
 from megatron.config.schema import OptimizerConfig
-from megatron.zero_topo.optimizer import portable_loss_scale
+from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
 
@@ -57,7 +58,7 @@ class LocalEngine:
     """One process: autocast to the compute dtype, fp32 parameters and torch's AdamW."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, opt_cfg: OptimizerConfig, precision: str,
-                 accumulation_steps: int, device: torch.device):
+                 accumulation_steps: int, device: torch.device, loss_scaling: Optional[LossScaleSettings] = None):
         self.model = model.to(device)
         self.loss_fn = loss_fn
         self.opt_cfg = opt_cfg
@@ -67,8 +68,8 @@ class LocalEngine:
         self.optimizer = torch.optim.AdamW(
             adamw_param_groups(model, opt_cfg.weight_decay), lr=0.0, betas=tuple(opt_cfg.betas),
             eps=opt_cfg.eps, foreach=False)
-        # fp16 needs loss scaling; bf16 and fp32 do not.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
+        # fp16 needs loss scaling (the fp16 block's settings); bf16 and fp32 run at scale 1.
+        self.loss_scale = DynamicLossScale(settings=loss_scaling or LossScaleSettings.from_precision(precision))
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype,
@@ -78,19 +79,27 @@ class LocalEngine:
         self.model.train()
         with self._autocast():
             loss = self.loss_fn(self.model, batch)
-        self.scaler.scale(loss / self.accumulation_steps).backward()
+        (loss / self.accumulation_steps * self.loss_scale.scale).backward()
         return loss.detach()
 
     def optimizer_step(self, lr: float) -> dict:
+        """Unscale, clip, AdamW; a step whose gradients are not finite (any precision) is skipped:
+        parameters, moments and AdamW's step count stay as they were."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.scaler.unscale_(self.optimizer)
+        scale = self.loss_scale.scale
+        if scale != 1.0:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(scale)
         clip = self.opt_cfg.gradient_clipping
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf")))
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.loss_scale.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm)}
+        return {"grad_norm": grad_norm, "loss_scale": scale, "skipped_step": float(not finite)}
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> torch.Tensor:
@@ -117,7 +126,7 @@ class LocalEngine:
                            "master": param.detach().float().flatten().cpu().clone(),
                            "exp_avg": state.get("exp_avg", zeros).detach().float().flatten().cpu().clone(),
                            "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().float().flatten().cpu().clone()})
-        return make_engine_state(pieces, shapes, step, {"loss_scaler": portable_loss_scale(self.scaler.state_dict())})
+        return make_engine_state(pieces, shapes, step, {"loss_scaler": self.loss_scale.state_dict()})
 
     @torch.no_grad()
     def load_full_state(self, full: dict) -> None:
@@ -130,7 +139,7 @@ class LocalEngine:
                     "step": torch.tensor(float(full["step"])),
                     "exp_avg": full["exp_avg"][name].to(param.device, param.dtype).clone(),
                     "exp_avg_sq": full["exp_avg_sq"][name].to(param.device, param.dtype).clone()}
-        self._load_loss_scale(full.get("loss_scaler"))
+        self.loss_scale.load_state_dict(full.get("loss_scaler"))
 
     @torch.no_grad()
     def load_checkpoint(self, reader, weights_only: bool = False) -> None:
@@ -148,13 +157,4 @@ class LocalEngine:
                     "step": torch.tensor(float(step)),
                     "exp_avg": values["exp_avg"].view(param.shape).to(param.device, param.dtype),
                     "exp_avg_sq": values["exp_avg_sq"].view(param.shape).to(param.device, param.dtype)}
-        self._load_loss_scale(reader.shared.get("loss_scaler"))
-
-    def _load_loss_scale(self, state) -> None:
-        """Either engine's saved loss scale into the GradScaler (when this run scales the loss)."""
-        portable = portable_loss_scale(state)
-        if portable is None or not self.scaler.is_enabled():
-            return
-        own = self.scaler.state_dict()
-        own.update(scale=portable["scale"], _growth_tracker=portable["clean_steps"] % own["growth_interval"])
-        self.scaler.load_state_dict(own)
+        self.loss_scale.load_state_dict(reader.shared.get("loss_scaler"))

@@ -22,6 +22,7 @@ from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
+from megatron.numerics import NumericsWatch
 from megatron.runtime import Runtime
 from megatron.schedule import learning_rate, schedule_from_config
 
@@ -88,6 +89,8 @@ class Trainer:
         if self.checkpointer is not None and runtime.is_main:
             self.checkpointer.ensure_writable()
         self.stop = StopRequest()
+        self.numerics = NumericsWatch(tcfg.max_consecutive_skipped_steps, tcfg.loss_spike_factor)
+        self.save_deferred = False  # a checkpoint was due at a skipped step
         self.memory = memory or PhasePeaks(runtime.device)  # measured peak memory per phase
         self.last_valid_loss: float | None = None
         self.comm_totals: dict[str, int] = {}
@@ -98,7 +101,8 @@ class Trainer:
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self) -> dict:
-        lr = learning_rate(self.iteration + 1, **self.schedule)
+        # DeepSpeed's rule: a skipped step does not advance the schedule (the data position does).
+        lr = learning_rate(self.iteration - self.numerics.skipped_steps + 1, **self.schedule)
         local_loss_sum = 0.0
         for micro_step in range(self.batching.accumulation):
             indices = self.batching.micro_indices(self.consumed_samples, micro_step)
@@ -111,8 +115,10 @@ class Trainer:
         self.stop_agreed = stops > 0
         self.iteration += 1
         self.consumed_samples += self.batching.global_batch
-        return {"train/lm_loss": loss_sum / count, "train/learning_rate": lr,
-                "train/grad_norm": stats["grad_norm"]}
+        loss = loss_sum / count
+        self.numerics.observe(self.iteration, loss, bool(stats["skipped_step"]), self.runtime.rank)
+        return {"train/lm_loss": loss, "train/learning_rate": lr, "train/grad_norm": stats["grad_norm"],
+                "train/loss_scale": stats["loss_scale"], "train/skipped_steps": self.numerics.skipped_steps}
 
     def evaluate(self) -> dict:
         loss_sum = 0.0
@@ -146,6 +152,7 @@ class Trainer:
                 if self.runtime.is_main:
                     progress.print(self.iteration, metrics["train/lm_loss"], metrics["train/learning_rate"],
                                    metrics["train/grad_norm"], tokens_per_sec)
+            self.numerics.raise_if_diverged(self.iteration)
             if self.valid_data is not None and tcfg.eval_iters > 0 and (
                     self.iteration % tcfg.eval_interval == 0 or self.iteration == tcfg.train_iters):
                 valid = self.evaluate()
@@ -153,14 +160,14 @@ class Trainer:
                 log_print(f"validation at step {self.iteration} | loss {valid['validation/lm_loss']:.4f} "
                           f"| ppl {valid['validation/lm_loss_ppl']:.2f}", self.runtime.rank)
             factor = self.cfg.checkpoint.checkpoint_factor
-            if factor and self.checkpointer is not None and self.iteration % factor == 0:
-                self.save()
+            if self.checkpointer is not None and (self.save_deferred or (factor and self.iteration % factor == 0)):
+                self.save_if_finite()
             if self.stop_agreed:
                 log_print(f"stop signal received at step {self.iteration}: "
                           f"{'saving and ' if self.checkpointer else ''}exiting", self.runtime.rank)
                 break
         if self.checkpointer is not None:
-            self.save()
+            self.save_if_finite()
         self.metrics.close()
 
     def _comm_metrics(self) -> dict:
@@ -185,6 +192,20 @@ class Trainer:
         return f"communication per optimizer step (all ranks, ledger): {per_tier}"
 
     # -- checkpoints -------------------------------------------------------------------------
+    def save_if_finite(self) -> None:
+        """Save, unless this step was skipped (non-finite gradient) or its loss is not finite: a state
+        the last forward could not use must not become `latest` (nor make keep_last_n_checkpoints
+        drop a good one). The save is then retried after each step until one is clean."""
+        numerics = self.numerics
+        if numerics.consecutive_skips or not numerics.last_loss_finite:
+            if not self.save_deferred:
+                log_print(f"not saving step {self.iteration}: it was skipped (gradient not finite, loss "
+                          f"{numerics.last_loss:.4g}); saving after the next clean step instead", self.runtime.rank)
+            self.save_deferred = True
+            return
+        self.save_deferred = False
+        self.save()
+
     def save(self) -> None:
         if self.last_saved_iteration == self.iteration:
             return
@@ -192,7 +213,8 @@ class Trainer:
         start = time.perf_counter()
         with self.memory.phase("save"):
             rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
-            meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg)}
+            meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg),
+                    "numerics": self.numerics.state_dict()}
             # the piece lists travel to rank 0 for index.json by a small all-gather (no file reopened)
             path = self.checkpointer.save(self.iteration, rank_state, meta, gather=engine_gather(self.engine))
         if self.runtime.is_main:
@@ -220,6 +242,7 @@ class Trainer:
         _set_rng_state(load_rank_state(step_dir, same_rank, mmap=True)["rng"])
         self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
+        self.numerics.load_state_dict(meta.get("numerics"))  # skipped steps: the schedule's position
         log_print(f"resumed from {step_dir} at step {self.iteration} ({read}; {time.perf_counter() - start:.2f} s)",
                   self.runtime.rank)
         return True

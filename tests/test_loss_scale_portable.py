@@ -1,10 +1,10 @@
 """An fp16 checkpoint resumes on either engine: the loss scale travels in one portable form.
 
-The single-process engine scales with torch's GradScaler, the ZeRO-topo engine with its own
-DynamicLossScale; each used to save its own state dict and the other could not read it. Both now
-save ``{"scale", "clean_steps"}`` and read either form (also GradScaler's own state dict, as older
-checkpoints of the single-process engine hold). A bf16 run resuming an fp16 checkpoint keeps a
-scale of 1: its loss is not scaled, so a loaded scale would divide every gradient.
+The single-process engine used torch's GradScaler, the ZeRO-topo engine its own loss scale; each
+saved its own state dict and the other could not read it. Both now use megatron.loss_scale, save
+``{"scale", "clean_steps", "hysteresis_left"}`` and also read GradScaler's dict (older
+single-process checkpoints). A bf16 run resuming an fp16 checkpoint keeps a scale of 1: its loss
+is not scaled, so a loaded scale would divide every gradient.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from megatron.checkpointing.param_slices import assemble
 from megatron.engine import LocalEngine, lm_loss
-from megatron.zero_topo.optimizer import DynamicLossScale, portable_loss_scale
+from megatron.loss_scale import DynamicLossScale, portable_loss_scale
 from test_engine import OPT, build_model, make_batch, single_rank_engine
 
 
@@ -23,19 +23,19 @@ def _local(precision: str) -> LocalEngine:
 
 def _trained_local() -> LocalEngine:
     engine = _local("fp16")
+    engine.loss_scale.scale = 1024.0             # a scale that differs from every default
     engine.forward_backward(make_batch(0, 0, 0))
-    engine.optimizer_step(1e-3)                  # one clean step: growth tracker 1
-    engine.scaler.update(new_scale=1024.0)       # a scale that differs from every default
+    engine.optimizer_step(1e-3)                  # one clean step
     return engine
 
 
 def test_single_process_fp16_checkpoint_resumes_on_the_zero_topo_engine():
     local = _trained_local()
     saved = local.checkpoint_state()["loss_scaler"]
-    assert saved == {"scale": local.scaler.get_scale(), "clean_steps": 1}
+    assert saved == {"scale": 1024.0, "clean_steps": 1, "hysteresis_left": 2}
     engine = single_rank_engine(build_model(), precision="fp16", accum=1)
     engine.load_full_state(assemble([local.checkpoint_state()]))
-    assert (engine.loss_scale.scale, engine.loss_scale.clean_steps) == (local.scaler.get_scale(), 1)
+    assert engine.loss_scale.state_dict() == saved
 
 
 def test_zero_topo_fp16_checkpoint_resumes_on_the_single_process_engine():
@@ -43,8 +43,7 @@ def test_zero_topo_fp16_checkpoint_resumes_on_the_single_process_engine():
     engine.loss_scale.scale, engine.loss_scale.clean_steps = 512.0, 7
     local = _local("fp16")
     local.load_full_state(assemble([engine.checkpoint_state()]))
-    assert local.scaler.get_scale() == 512.0
-    assert local.checkpoint_state()["loss_scaler"] == {"scale": 512.0, "clean_steps": 7}
+    assert local.loss_scale.state_dict() == {"scale": 512.0, "clean_steps": 7, "hysteresis_left": 2}
 
 
 def test_older_gradscaler_state_and_bf16_resumes():
@@ -56,8 +55,8 @@ def test_older_gradscaler_state_and_bf16_resumes():
     bf16.load_state_dict({"scale": 4096.0, "clean_steps": 3})
     assert bf16.scale == 1.0
     local_bf16 = _local("bfloat16")
-    local_bf16._load_loss_scale({"scale": 4096.0, "clean_steps": 3})
-    assert not local_bf16.scaler.is_enabled()
+    local_bf16.loss_scale.load_state_dict({"scale": 4096.0, "clean_steps": 3})
+    assert local_bf16.loss_scale.scale == 1.0
     assert portable_loss_scale({}) is None
     with pytest.raises(ValueError, match="unknown loss-scale state"):
         portable_loss_scale({"factor": 2})

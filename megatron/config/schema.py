@@ -111,6 +111,8 @@ class TrainingConfig:
     eval_interval: int = doc(1000, "Evaluate every this many steps (and at the end).", ge=1)
     eval_iters: int = doc(10, "Validation micro-batches per evaluation (0 disables evaluation).", ge=0)
     device: str = doc("auto", "Compute device: auto (GPU when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    max_consecutive_skipped_steps: int = doc(100, "Stop the run (exit code 2, no save) after this many steps in a row were skipped for a non-finite gradient; 0 = never stop.", ge=0)
+    loss_spike_factor: float = doc(3.0, "Log (not stop) a loss above this many times its running mean; 0 = off.", ge=0.0)
 
 
 @dataclass

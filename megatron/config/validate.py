@@ -161,6 +161,12 @@ def _precision(cfg: NeoXConfig, ctx: _Context, env) -> None:
         said = ", ".join(f"{key} asks for {value}" for key, value in claims)
         raise ctx.error("precision.precision", f"the precision keys disagree: {said}", "keep one way of saying it")
     p.precision = wanted.pop() if wanted else "fp32"
+    if p.fp16:  # loss scaling's keys, checked here so a bad value stops deepy, not the ranks
+        from megatron.loss_scale import LossScaleSettings
+        try:
+            LossScaleSettings.from_precision(p.precision, p.fp16)
+        except (TypeError, ValueError) as err:
+            raise ctx.error("precision.fp16", str(err), "see docs/config.md, fp16") from None
 
 
 def _positive_ints(value, count: tuple[int, ...]) -> bool:

@@ -43,7 +43,8 @@ from megatron.topology.layout import ShardLayout
 from megatron.topology.topology import TopologyError
 from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
-from megatron.zero_topo.optimizer import AdamWHyper, DynamicLossScale, adamw_update, clip_coefficient
+from megatron.loss_scale import DynamicLossScale, LossScaleSettings
+from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient
 from megatron.zero_topo.prefetch import PassOrder
 from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages, qgz_swizzle
 from megatron.zero_topo import state_io
@@ -72,7 +73,8 @@ class ZeroTopoEngine:
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
                  preset: Optional[str] = None, *, fp32_allreduce: bool = False,
                  quant: Optional[QuantSettings] = None, prefetch: bool = True,
-                 device: Optional[torch.device] = None, materialize: Optional[Materialize] = None):
+                 device: Optional[torch.device] = None, materialize: Optional[Materialize] = None,
+                 loss_scaling: Optional[LossScaleSettings] = None):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -94,7 +96,7 @@ class ZeroTopoEngine:
         self.dtype = COMPUTE_DTYPES[precision]
         # Dtype of the step-boundary hops (cross, replica): the compute dtype unless fp32_allreduce.
         self.boundary_dtype = torch.float32 if fp32_allreduce else self.dtype
-        self.loss_scale = DynamicLossScale(enabled=self.dtype is torch.float16)
+        self.loss_scale = DynamicLossScale(settings=loss_scaling or LossScaleSettings.from_precision(precision))
         self.quant = quant or QuantSettings()
         self.step_count = 0            # optimizer steps taken (AdamW's t)
         self.micro_count = 0           # micro-batches since the last optimizer step
@@ -412,10 +414,13 @@ class ZeroTopoEngine:
 
     @torch.no_grad()
     def optimizer_step(self, lr: float) -> dict:
-        """Reduce, clip, AdamW, refresh. Returns {"grad_norm": global pre-clip norm}."""
+        """Reduce, clip, AdamW, refresh. A step whose global norm is not finite (an inf/NaN gradient
+        on any rank, every rank sees the same norm) is skipped on all ranks. Returns the global
+        pre-clip ``grad_norm``, the ``loss_scale`` this step used and ``skipped_step`` (0 or 1)."""
         if self.micro_count != self.accumulation_steps:
             raise EngineError(f"optimizer_step after {self.micro_count} micro-batches; expected "
                               f"gradient_accumulation_steps = {self.accumulation_steps}")
+        scale_used = self.loss_scale.scale
         grads = [self._step_gradient(u) for u in self.units]
         norm = self._global_norm(grads)
         finite = math.isfinite(norm)
@@ -438,10 +443,7 @@ class ZeroTopoEngine:
             unit.grad_accum.zero_()
             unit.secondary = None  # zeropp: the next step's first gather rebuilds it
         self.micro_count = 0
-        metrics = {"grad_norm": norm}
-        if self.loss_scale.enabled:
-            metrics.update(loss_scale=self.loss_scale.scale, skipped_step=float(not finite))
-        return metrics
+        return {"grad_norm": norm, "loss_scale": scale_used, "skipped_step": float(not finite)}
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """sqrt of the sum of squares over all slices; replica 0 counts, one world all-reduce."""

@@ -1,5 +1,4 @@
-"""AdamW on one flat fp32 slice, elementwise identical to ``torch.optim.AdamW(foreach=False)``,
-and the dynamic loss scale fp16 needs.
+"""AdamW on one flat fp32 slice, elementwise identical to ``torch.optim.AdamW(foreach=False)``.
 
 Weight decay is decoupled and applies only inside ``decay_ranges`` (the matrix parameters' elements
 of the slice); norms, biases and padding get none, as with torch's two parameter groups.
@@ -46,48 +45,3 @@ def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` factor, computed in fp32 as torch does: min(max/(norm+1e-6), 1)."""
     norm = torch.tensor(total_norm, dtype=torch.float32)
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
-
-class DynamicLossScale:
-    """fp16 loss scaling (GradScaler's defaults): halve on overflow, double after 2000 clean steps."""
-
-    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
-                 min_scale: float = 1.0):
-        self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
-        self.growth_interval = growth_interval
-        self.min_scale = min_scale
-        self.clean_steps = 0
-
-    def update(self, grads_finite: bool) -> None:
-        if not self.enabled:
-            return
-        if not grads_finite:
-            self.scale = max(self.scale / 2, self.min_scale)
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps % self.growth_interval == 0:
-            self.scale *= 2
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        portable = portable_loss_scale(state)
-        if portable is not None and self.enabled:  # a bf16/fp32 run resuming fp16 keeps scale 1
-            self.scale, self.clean_steps = portable["scale"], portable["clean_steps"]
-
-
-def portable_loss_scale(state: dict | None) -> dict | None:
-    """A saved loss-scale state in the one form checkpoints carry, ``{"scale", "clean_steps"}``,
-    from either engine's: DynamicLossScale's (already that form) or torch GradScaler's (``scale``,
-    ``_growth_tracker``), so an fp16 checkpoint resumes on either engine. None when there is none
-    (an empty dict is what a disabled GradScaler saves)."""
-    if not state:
-        return None
-    if "clean_steps" in state:
-        return {"scale": float(state["scale"]), "clean_steps": int(state["clean_steps"])}
-    if "_growth_tracker" in state:
-        return {"scale": float(state["scale"]), "clean_steps": int(state["_growth_tracker"])}
-    raise ValueError(f"unknown loss-scale state with keys {sorted(state)}")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron.logging.metrics import log_print
+from megatron.loss_scale import LossScaleSettings
 from megatron.topology import ProcessGroups, ShardLayout, Topology, TopologyError
 from megatron.topology.layout import tiers_of
 from megatron.zero_topo.comm import Communicator
@@ -40,7 +41,8 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     engine = ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=layout.preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
-                          prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize)
+                          prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize,
+                          loss_scaling=LossScaleSettings.from_precision(cfg.precision.precision, cfg.precision.fp16))
     if quant.error_feedback and not any(unit.residuals for unit in engine.units):
         log_print("quantization_error_feedback: no residual is kept in this layout (error feedback "
                   "corrects only a quantized gradient hop across nodes that follows the node's "
