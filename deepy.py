@@ -22,10 +22,11 @@ import yaml
 
 from megatron.config import (ConfigError, NeoXConfig, config_to_dict, launch_environment_error, load_config,
                              save_config_json, world_size_of)
+from megatron.checkpointing.folders import save_folder_conflict
+from megatron.exit_codes import INTERNAL_ERROR, USAGE_ERROR
 from megatron.launcher import launch
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yml"
-USAGE_EXIT = 2
 
 
 class _ConfigDumper(yaml.SafeDumper):
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(render_config(cfg))
         return 0
+    # Refused here, before any rank starts: once training has run, its first save would be lost.
+    ck = cfg.checkpoint
+    problem = save_folder_conflict(ck.save, ck.load, ck.overwrite_checkpoints)
+    if problem:
+        raise ConfigError(problem)
     if args.dry_run:
         from megatron.dry_run import render_dry_run
         from megatron.launcher import plan_launch
@@ -133,12 +139,12 @@ def run(argv: list[str] | None = None) -> int:
         return main(argv)
     except ConfigError as err:
         print(f"deepy: error: {err}", file=sys.stderr)
-        return USAGE_EXIT
+        return USAGE_ERROR
     except Exception as err:  # an internal bug: still one line unless asked for the traceback
         if os.environ.get("NEOX_DEBUG"):
             raise
         print(f"deepy: internal error: {type(err).__name__}: {err} (set NEOX_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 1
+        return INTERNAL_ERROR
 
 
 if __name__ == "__main__":

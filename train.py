@@ -10,6 +10,15 @@ import sys
 
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
+from megatron.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
+
+
+def exit_code(trainer) -> int:
+    """0 for a finished run; a stop signal before train_iters: STOPPED_SAVED when this step's state
+    is on disk (the scheduler requeues, the run resumes), else STOPPED_UNSAVED."""
+    if not trainer.stopped_early:
+        return SUCCESS
+    return STOPPED_SAVED if trainer.last_saved_iteration == trainer.iteration else STOPPED_UNSAVED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +35,15 @@ def main(argv: list[str] | None = None) -> int:
             run.write_memory_report()
         finally:
             run.runtime.close()
+    code = exit_code(run.trainer)
     if run.runtime.distributed:
         # Everything is written and the process group is destroyed; skip the interpreter's C++
         # teardown, where gloo's threads, still referenced by Python objects, intermittently abort
         # ("terminate called without an active exception", seen here at 8 ranks) after a good run.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

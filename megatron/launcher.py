@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from megatron.config import ConfigError, NeoXConfig, world_size_of
+from megatron.exit_codes import STOP_CODES
 
 DEFAULT_MASTER_PORT = 29500
 # Frontier settings from OLCF's documentation; applied only where the environment has none.
@@ -157,7 +158,8 @@ def describe_exit(returncode: int) -> str:
 def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
               rank_output: str = "all", console: Optional[TextIO] = None, errors: Optional[TextIO] = None,
               grace_s: float = 10.0, poll_s: float = 0.05) -> int:
-    """Run `command` once per rank on this machine; 0 when all succeed, else the first failure's code."""
+    """Run `command` once per rank on this machine; 0 when all succeed (a stop code of
+    megatron/exit_codes.py when they stopped on a signal), else the first failure's code."""
     console, errors = console or sys.stdout, errors or sys.stderr
     if rank_output not in ("all", "errors"):
         raise ValueError(f"rank_output must be 'all' or 'errors', not {rank_output!r}")
@@ -194,7 +196,7 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     for rank, out in outputs.items():
         out.finish(show_tail=failed is not None and rank == failed)
     if failed is None:
-        return 0
+        return max(proc.returncode for proc in procs)  # 0, or the stop code every rank agreed on
     code = procs[failed].returncode
     others = world - 1
     stopped = f"; stopped the other {others} rank{'s' if others != 1 else ''}" if others else ""
@@ -229,8 +231,8 @@ def _wait_first_failure(procs: Sequence[subprocess.Popen], poll_s: float) -> Opt
             code = proc.poll()
             if code is None:
                 running = True
-            elif code != 0:
-                return rank
+            elif code != 0 and code not in STOP_CODES:
+                return rank  # a stop code is a clean end: the others are waited for, not stopped
         if not running:
             return None
         time.sleep(poll_s)

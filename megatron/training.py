@@ -97,6 +97,7 @@ class Trainer:
         self.start_iteration = 0
         self.last_saved_iteration: int | None = None
         self.stop_agreed = False
+        self.stopped_early = False  # a stop signal ended the run before train_iters
         self.last_train_loss: float | None = None
 
     # -- one optimizer step ------------------------------------------------------------------
@@ -165,6 +166,7 @@ class Trainer:
             if self.stop_agreed:
                 log_print(f"stop signal received at step {self.iteration}: "
                           f"{'saving and ' if self.checkpointer else ''}exiting", self.runtime.rank)
+                self.stopped_early = self.iteration < tcfg.train_iters  # train.py's exit code says so
                 break
         if self.checkpointer is not None:
             self.save_if_finite()
@@ -209,7 +211,6 @@ class Trainer:
     def save(self) -> None:
         if self.last_saved_iteration == self.iteration:
             return
-        self.last_saved_iteration = self.iteration
         start = time.perf_counter()
         with self.memory.phase("save"):
             rank_state = {"engine": self.engine.checkpoint_state(), "rng": _rng_state()}
@@ -217,6 +218,7 @@ class Trainer:
                     "numerics": self.numerics.state_dict()}
             # the piece lists travel to rank 0 for index.json by a small all-gather (no file reopened)
             path = self.checkpointer.save(self.iteration, rank_state, meta, gather=engine_gather(self.engine))
+        self.last_saved_iteration = self.iteration  # only once written: a failed save raised above
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in path.iterdir())
             log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)")
@@ -243,6 +245,8 @@ class Trainer:
         self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
         self.numerics.load_state_dict(meta.get("numerics"))  # skipped steps: the schedule's position
+        if self.checkpointer is not None and step_dir.parent.resolve() == self.checkpointer.save_dir.resolve():
+            self.last_saved_iteration = self.iteration  # this very state is on disk: not rewritten at once
         log_print(f"resumed from {step_dir} at step {self.iteration} ({read}; {time.perf_counter() - start:.2f} s)",
                   self.runtime.rank)
         return True

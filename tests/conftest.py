@@ -52,6 +52,7 @@ def train_losses(log_dir: Path) -> dict[int, float]:
     return out
 
 
-def run_deepy(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_deepy(*args: str, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    """`python deepy.py ARGS` from the repository root; `popen`: more subprocess.run options (preexec_fn)."""
     return subprocess.run([sys.executable, str(REPO / "deepy.py"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, **popen)

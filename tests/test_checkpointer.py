@@ -1,5 +1,4 @@
-import json
-import os
+import warnings
 
 import pytest
 import torch
@@ -22,12 +21,81 @@ def test_commit_and_latest(tmp_path):
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "ck").iterdir())
 
 
-def test_saving_a_committed_step_is_a_noop(tmp_path):
+def test_saving_an_existing_step_replaces_it(tmp_path):
     path = _save(tmp_path, 10, value=1.0)
-    mtime = os.stat(path / "rank_00000.pt").st_mtime_ns
-    _save(tmp_path, 10, value=2.0)
-    assert os.stat(path / "rank_00000.pt").st_mtime_ns == mtime
-    assert torch.equal(load_rank_state(path, 0)["w"], torch.ones(3))
+    assert _save(tmp_path, 10, value=2.0) == path
+    assert torch.equal(load_rank_state(path, 0)["w"], torch.full((3,), 2.0))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step10", "latest"]
+
+
+class Crash(BaseException):
+    """A process dying at this point: nothing after it runs, no except clause cleans up."""
+
+
+@pytest.mark.parametrize("crash_at", ["aside", "in", "latest"])
+def test_a_crash_while_replacing_a_step_leaves_one_complete_copy(tmp_path, monkeypatch, crash_at):
+    """The three renames of a replacement: old step aside, new step in, `latest`; dying before any
+    of them leaves step 10 complete (old or new), readable and resumable, and the next save of it
+    tidies up."""
+    from megatron.checkpointing import checkpointer
+    _save(tmp_path, 10, value=1.0)
+    real_rename = checkpointer._rename_durably
+    renames = []
+
+    def rename(src, dst):
+        renames.append(dst.name)
+        if {"aside": ".global_step10.old", "in": "global_step10", "latest": "latest"}[crash_at] == dst.name:
+            raise Crash
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpointer, "_rename_durably", rename)
+    with pytest.raises(Crash):
+        _save(tmp_path, 10, value=2.0)
+    monkeypatch.setattr(checkpointer, "_rename_durably", real_rename)
+    expect = 2.0 if crash_at == "latest" else 1.0  # the new copy counts once it is renamed in
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert committed_steps(tmp_path / "ck") == [10]
+        step = latest_step_dir(tmp_path / "ck")
+    assert (step.name == ".global_step10.old") == (crash_at == "in")
+    assert torch.equal(load_rank_state(step, 0)["w"], torch.full((3,), expect))
+    assert load_meta(step)["iteration"] == 10
+    _save(tmp_path, 10, value=3.0)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step10", "latest"]
+    assert torch.equal(load_rank_state(latest_step_dir(tmp_path / "ck"), 0)["w"], torch.full((3,), 3.0))
+
+
+def test_a_full_disk_is_one_error_and_keeps_the_previous_step(tmp_path):
+    """A file-size limit (what a full disk looks like to the writer) under the rank file's size."""
+    import resource
+    _save(tmp_path, 1, value=1.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ck = Checkpointer(str(tmp_path / "ck"), rank=0, world_size=1, barrier=lambda: None)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: writes fail
+    try:
+        with pytest.raises(CheckpointError) as err:
+            ck.save(2, {"w": torch.zeros(100_000)}, {"consumed_samples": 8})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(err.value)
+    assert "\n" not in message and "global_step2" in message and "File too large" in message
+    assert "`latest` still names global_step1" in message
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step1", "latest"]
+    assert torch.equal(load_rank_state(latest_step_dir(tmp_path / "ck"), 0)["w"], torch.ones(3))
+
+
+def test_a_new_run_may_not_save_among_another_runs_steps(tmp_path, monkeypatch):
+    from megatron.checkpointing.folders import save_folder_conflict
+    folder = tmp_path / "ck"
+    assert save_folder_conflict(str(folder), None, False) is None  # nothing there yet
+    _save(tmp_path, 10)
+    problem = save_folder_conflict(str(folder), None, False)
+    assert "\n" not in problem and str(folder) in problem and "global_step10" in problem
+    assert f"`load: {folder}`" in problem and "`overwrite_checkpoints: true`" in problem
+    assert save_folder_conflict(str(folder), str(tmp_path / "elsewhere"), False) == problem
+    monkeypatch.chdir(tmp_path)
+    assert save_folder_conflict(str(folder), "ck/", False) is None  # resuming it, however spelled
+    assert save_folder_conflict(str(folder), None, True) is None
 
 
 def test_keep_last_n_prunes_after_commit(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_run_config, train_losses
+from megatron.exit_codes import STOPPED_SAVED
 from megatron.launcher import free_port
 
 SCRIPTS = sorted((REPO / "tools" / "slurm").rglob("*.sbatch")) + sorted((REPO / "tools" / "slurm").rglob("*.sh"))
@@ -32,6 +33,8 @@ STUB_SRUN = textwrap.dedent("""\
     args = sys.argv[1:]
     with open(os.environ["STUB_SRUN_LOG"], "a") as log:
         log.write(json.dumps(args) + "\\n")
+    if "train.py" in args and "STUB_SRUN_EXIT" in os.environ:  # the ranks' code, without running them
+        sys.exit(int(os.environ["STUB_SRUN_EXIT"]))
     opts, i = {{}}, 0
     while i < len(args) and args[i].startswith("-"):
         key, _, value = args[i].partition("=")
@@ -64,7 +67,8 @@ STUB_SRUN = textwrap.dedent("""\
 """)
 STUB_SCONTROL = textwrap.dedent("""\
     #!/bin/sh
-    # `scontrol show hostnames LIST`: every fake node is this machine.
+    # `scontrol requeue JOBID`: recorded. `scontrol show hostnames LIST`: every fake node is this machine.
+    if [ "$1" = "requeue" ]; then echo "requeue $2" >> "$STUB_SCONTROL_LOG"; exit 0; fi
     [ "$1 $2" = "show hostnames" ] || exit 1
     for _ in $(seq "${SLURM_JOB_NUM_NODES:-1}"); do echo localhost; done
 """)
@@ -82,7 +86,8 @@ def fake_slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     spool = tmp_path / "spool"
     spool.mkdir()
-    return {"bin": bin_dir, "spool": spool, "srun_log": tmp_path / "srun.jsonl", "module_log": tmp_path / "module.log"}
+    return {"bin": bin_dir, "spool": spool, "srun_log": tmp_path / "srun.jsonl", "module_log": tmp_path / "module.log",
+            "scontrol_log": tmp_path / "scontrol.log"}
 
 
 def sbatch_like(fake: dict, script: Path, args: list[str], nodes: int, extra_env: dict, timeout: int = 600):
@@ -94,7 +99,8 @@ def sbatch_like(fake: dict, script: Path, args: list[str], nodes: int, extra_env
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "NEOX_"))}
     env.update(PATH=f"{fake['bin']}{os.pathsep}{env['PATH']}", STUB_SRUN_LOG=str(fake["srun_log"]),
-               STUB_MODULE_LOG=str(fake["module_log"]), SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO),
+               STUB_MODULE_LOG=str(fake["module_log"]), STUB_SCONTROL_LOG=str(fake["scontrol_log"]),
+               SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO),
                SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes), SLURM_JOB_NAME="neox-topo",
                SLURM_JOB_NODELIST=f"node[001-{nodes:03d}]", NEOX_TOPO_VENV=sys.prefix)
     env.update(extra_env)
@@ -133,6 +139,27 @@ def test_frontier_script_trains_the_tiny_model_through_the_slurm_launcher(tmp_pa
     assert sorted(losses) == list(range(1, 7)) and all(0 < v < 20 for v in losses.values())
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
     assert "4 rank(s)" in proc.stdout + proc.stderr
+
+
+SBATCH_SCRIPTS = sorted((REPO / "tools" / "slurm").rglob("*.sbatch"))
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("code", [STOPPED_SAVED, 1])
+def test_job_scripts_requeue_exactly_when_the_run_stopped_and_saved(tmp_path, tiny_corpus, fake_slurm, script, code):
+    """The ranks' code comes back through srun and deepy to the script: 75 (a stop signal, saved)
+    requeues the job, anything else is the job's own exit code."""
+    run_cfg = tiny_run_config(tmp_path, tiny_corpus, topology={"simulate": [2, 2]}, launcher="slurm", device="cpu",
+                              train_micro_batch_size_per_gpu=2, zero_optimization={"preset": "zero_topo"})
+    proc = sbatch_like(fake_slurm, script, [], nodes=2,
+                       extra_env={"NEOX_CONFIGS": str(run_cfg), "SLURM_NTASKS_PER_NODE": "2",
+                                  "STUB_SRUN_EXIT": str(code)})
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert srun_calls(fake_slurm)[-1][4:6] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
+    requeued = fake_slurm["scontrol_log"].read_text() if fake_slurm["scontrol_log"].exists() else ""
+    assert requeued == ("requeue 4242\n" if code == STOPPED_SAVED else "")
+    for option in ("--requeue", "--open-mode=append"):  # requeueable; the same job id appends its output
+        assert f"#SBATCH {option}\n" in script.read_text()
 
 
 def test_dgx_script_dry_run_in_the_allocation(tmp_path, fake_slurm):

@@ -8,21 +8,29 @@ Commit protocol (why: a killed job must never leave a half-written step as `late
    POSIX), fsyncs the parent, then replaces `latest` by rename; 5. barrier. A folder without
    `meta.json` or a leftover `.partial` is ignored with a warning. Old steps are pruned only after
    the new one is committed. A step without `index.json` (saved before it existed) still loads.
+
+Saving a step that exists (a run with `overwrite_checkpoints`, a resumed run saving a step again)
+replaces it only once the new folder is complete: the old `global_stepN` is renamed aside to
+`.global_stepN.old`, the new one renamed in, then the old one deleted. POSIX cannot rename a folder
+onto a non-empty one, so between the two renames step N lives in `.global_stepN.old`; readers take
+it from there (folders.complete_steps), and a crash anywhere leaves one complete copy of step N.
+
+A write that fails (a full disk, a file-size limit) raises CheckpointError naming the step and the
+cause; the half-written folder is removed and `latest` still names the previous step.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-STEP_DIR = re.compile(r"^global_step(\d+)$")
-META = "meta.json"
+from megatron.checkpointing.folders import META, aside_dir, complete_steps, step_name
+# Readers have long imported these from here; they live with the other folder rules.
+from megatron.checkpointing.folders import committed_steps, latest_step_dir  # noqa: F401
 
 
 class CheckpointError(Exception):
@@ -41,36 +49,43 @@ def rank_file(step_dir: Path, rank: int) -> Path:
     return step_dir / f"rank_{rank:05d}.pt"
 
 
-def committed_steps(save_dir: Path) -> list[int]:
-    """Iterations with a complete (committed) step folder, ascending."""
-    if not save_dir.is_dir():
-        return []
-    steps = []
-    for entry in save_dir.iterdir():
-        if entry.name.endswith(".partial"):
-            warnings.warn(f"ignoring half-written checkpoint folder {entry} (a save was interrupted)")
-            continue
-        match = STEP_DIR.match(entry.name)
-        if not match:
-            continue
-        if (entry / META).is_file():
-            steps.append(int(match.group(1)))
-        else:
-            warnings.warn(f"ignoring incomplete checkpoint folder {entry} (no {META})")
-    return sorted(steps)
+class _ErrorRecordingFile:
+    """torch.save reports a failed write as a bare RuntimeError ("unexpected pos ..."); this keeps
+    the OSError behind it (No space left on device, File too large) for the message."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
-def latest_step_dir(load_dir: str | os.PathLike) -> Path | None:
-    """The step folder `latest` names, falling back to the newest committed one."""
-    root = Path(load_dir)
-    steps = committed_steps(root)  # also warns about interrupted saves it skips
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / META).is_file():
-            return candidate
-        warnings.warn(f"`latest` in {root} names {candidate.name}, which is incomplete; using the newest complete step")
-    return root / f"global_step{steps[-1]}" if steps else None
+def _rename_durably(src: Path, dst: Path) -> None:
+    """os.replace, then fsync the folder so the rename survives a power loss."""
+    os.replace(src, dst)
+    _fsync_path(dst.parent)
+
+
+def _write_rank_state(path: Path, rank_state: dict) -> None:
+    """torch.save + fsync; raises OSError (the real cause) when the file cannot be written."""
+    with open(path, "wb") as f:
+        recording = _ErrorRecordingFile(f)
+        try:
+            torch.save(rank_state, recording)
+        except RuntimeError:
+            if recording.error is None:
+                raise
+            raise recording.error from None
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class Checkpointer:
@@ -94,49 +109,75 @@ class Checkpointer:
                                   "set `save` to a writable folder") from err
 
     def save(self, iteration: int, rank_state: dict, meta: dict, gather=None) -> Path:
-        """Write this rank's state; all ranks call this together. Saving a committed step is a no-op.
+        """Write this rank's state as step ``iteration``; all ranks call this together. A step that
+        exists is replaced only once the new copy is complete (module docstring). A write that
+        fails raises CheckpointError: nothing of it is committed and `latest` is unchanged.
 
         ``gather(obj)`` (optional, collective): every rank's ``obj`` in rank order, at least on rank 0
         (megatron.checkpointing.index.comm_gather); it brings the ranks' piece lists to rank 0 for
         ``index.json`` without reopening their files. Without it rank 0 reads each file's list once.
         """
-        final = self.save_dir / f"global_step{iteration}"
-        if (final / META).is_file():
-            return final
-        partial = self.save_dir / f".global_step{iteration}.partial"
+        final = self.save_dir / step_name(iteration)
+        partial = self.save_dir / f".{final.name}.partial"
         if self.rank == 0:
             self.ensure_writable()
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir()
+            try:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir()
+            except OSError as err:
+                raise self._write_failed(final, partial, err) from None
         self.barrier()
-        path = rank_file(partial, self.rank)
-        with open(path, "wb") as f:
-            torch.save(rank_state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            _write_rank_state(rank_file(partial, self.rank), rank_state)
+        except OSError as err:
+            raise self._write_failed(final, partial, err, rank_file(partial, self.rank).name) from None
         self.barrier()
         entries = None
         if gather is not None:
             from megatron.checkpointing.index import index_entry
             entries = gather(index_entry(rank_state))
         if self.rank == 0:
-            self._write_index(partial, rank_state, entries)
-            meta = {**meta, "iteration": iteration, "world_size": self.world_size}
-            with open(partial / META, "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_path(partial)
-            os.replace(partial, final)
-            _fsync_path(self.save_dir)
-            tmp_pointer = self.save_dir / ".latest.tmp"
-            tmp_pointer.write_text(final.name)
-            os.replace(tmp_pointer, self.save_dir / "latest")
-            _fsync_path(self.save_dir)
+            try:
+                self._commit(iteration, partial, final, rank_state, entries, meta)
+            except OSError as err:
+                raise self._write_failed(final, partial, err) from None
             self._prune(iteration)
         self.barrier()
         return final
+
+    def _commit(self, iteration: int, partial: Path, final: Path, rank_state: dict, entries, meta: dict) -> None:
+        """Rank 0, once every rank file is written: index.json, meta.json, the folder in place, `latest`."""
+        self._write_index(partial, rank_state, entries)
+        meta = {**meta, "iteration": iteration, "world_size": self.world_size}
+        with open(partial / META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(partial)
+        aside = aside_dir(final)
+        if final.exists():
+            if aside.exists():  # left by a replacement that had already moved its new copy in
+                shutil.rmtree(aside)
+            _rename_durably(final, aside)
+        _rename_durably(partial, final)
+        tmp_pointer = self.save_dir / ".latest.tmp"
+        tmp_pointer.write_text(final.name)
+        _rename_durably(tmp_pointer, self.save_dir / "latest")
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _write_failed(self, final: Path, partial: Path, err: OSError, what: str | None = None) -> CheckpointError:
+        """The one-line error for a save that did not happen; rank 0 removes its half-written folder
+        (on a full disk that is the space the next attempt needs)."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        pointer = self.save_dir / "latest"
+        latest = pointer.read_text().strip() if pointer.is_file() else None
+        what = what or (Path(err.filename).name if err.filename else None)
+        where = f" writing {what}" if what else ""
+        kept = f"`latest` still names {latest}" if latest else "there is no `latest` yet"
+        return CheckpointError(f"could not save checkpoint {final}: {err.strerror or err}{where}; {kept}; "
+                               "free space on that file system (or point `save` elsewhere) and resume from `latest`")
 
     def _write_index(self, partial: Path, rank_state: dict, entries) -> None:
         """index.json for a step of engine states (nothing for other rank states)."""
@@ -156,11 +197,12 @@ class Checkpointer:
     def _prune(self, newest: int) -> None:
         if not self.keep_last_n:
             return
-        keep = f"global_step{newest}"
-        for step in committed_steps(self.save_dir)[:-self.keep_last_n]:
-            if f"global_step{step}" == keep:  # a run saving below older steps never drops its own
+        folders = complete_steps(self.save_dir)
+        for step in sorted(folders)[:-self.keep_last_n]:
+            if step == newest:  # a run saving below older steps never drops its own
                 continue
-            shutil.rmtree(self.save_dir / f"global_step{step}", ignore_errors=True)
+            shutil.rmtree(folders[step], ignore_errors=True)
+            shutil.rmtree(aside_dir(self.save_dir / step_name(step)), ignore_errors=True)
 
 
 def load_meta(step_dir: Path) -> dict:

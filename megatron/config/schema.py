@@ -146,6 +146,10 @@ class CheckpointConfig:
     checkpoint_factor: Optional[int] = doc(None, "Save every this many steps.", ge=1)
     keep_last_n_checkpoints: Optional[int] = doc(None, "Keep only the newest n committed checkpoints.", ge=1)
     finetune: bool = doc(False, "Load weights only; reset iteration, optimizer and data position.")
+    overwrite_checkpoints: bool = doc(False, "Let a run that does not resume from `save` (no `load`, or "
+                                      "another folder) save into a `save` folder that already holds "
+                                      "checkpoints: each step it saves replaces that step there, atomically. "
+                                      "Without it such a run is refused at start-up.")
     load_hf: Optional[str] = doc(None, "Initialise the model from a Hugging Face GPTNeoXForCausalLM folder "
                                  "(config.json + safetensors, e.g. made by tools/convert_to_hf.py); "
                                  "its shape must match the model keys.")

@@ -1,0 +1,20 @@
+"""The exit codes of deepy.py and train.py, for people and for schedulers (docs/launch.md has the table).
+
+deepy.py returns the ranks' code: the local launcher waits for its ranks, the slurm and hostfile
+launchers replace deepy by `srun` / `deepspeed`, which return their tasks' highest code.
+"""
+from __future__ import annotations
+
+import signal
+
+SUCCESS = 0
+INTERNAL_ERROR = 1  # a bug: one line, NEOX_DEBUG=1 for the traceback
+USAGE_ERROR = 2  # a mistake the message explains: config, data, checkpoint folder, full disk
+# EX_TEMPFAIL (sysexits.h): stopped by SIGTERM/SIGUSR1 before train_iters, with a checkpoint saved;
+# run again with `load` = `save` to continue. The job scripts requeue themselves on it.
+STOPPED_SAVED = 75
+# Stopped the same way but that step was not saved (no `save` folder, or the trainer declined to
+# save it): the shell's code for a process killed by SIGTERM, which no job script requeues.
+STOPPED_UNSAVED = 128 + signal.SIGTERM
+# A rank exiting with one of these finished cleanly (the launcher waits for the others, no "failed").
+STOP_CODES = (STOPPED_SAVED, STOPPED_UNSAVED)
