@@ -11,6 +11,7 @@ import sys
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
 from megatron.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
+from megatron.rank_guard import guard_rank
 
 
 def exit_code(trainer) -> int:
@@ -26,15 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--neox-config-json", required=True,
                         help="the validated config deepy.py serialized (never YAML: ranks do not re-parse)")
     args = parser.parse_args(argv)
+    guard_rank(os.environ)  # first: a rank never outlives its launcher, nor ignores a stop it cannot act on
     with user_errors():
         cfg = load_config_json(args.neox_config_json)
         run = build_training(cfg)
-        try:
-            run.trainer.fit()
-            run.report()
-            run.write_memory_report()
-        finally:
-            run.runtime.close()
+        run.trainer.fit()
+        run.report()
+        run.write_memory_report()
+        # Not in a `finally`: its barrier waits for every peer, and after an exception mid-step the
+        # peers are blocked in that step's collective, so the run would hang instead of failing.
+        run.runtime.close()
     code = exit_code(run.trainer)
     if run.runtime.distributed:
         # Everything is written and the process group is destroyed; skip the interpreter's C++

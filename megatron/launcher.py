@@ -2,30 +2,38 @@
 
 - local: this machine; one process per rank of the configured layout (1 without one), with the
   torchrun-style environment RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-  MASTER_PORT, plus NEOX_TOPO_SIMULATED=1 for a simulated layout. One command, one exit code: when a
-  rank fails, the others are stopped and the failing rank's code is returned. Every rank's output
-  passes through here line by line (stdout to stdout, stderr to stderr), so lines never mix: rank
-  0's as is, the others' prefixed `[rank k]`, or shown only if that rank fails.
+  MASTER_PORT, plus NEOX_TOPO_SIMULATED=1 for a simulated layout and NEOX_TOPO_EXIT_WITH_PARENT=<this
+  pid> (ranks exit if deepy dies: megatron/rank_guard.py). One command, one exit code: when a rank
+  fails, the others are stopped and the root cause's code is returned. Every rank's output passes
+  through here line by line (megatron/rank_output.py: to the console, and in full to a log file per
+  rank); a failure ends with the first failed rank's error, once, and one line per other rank
+  (megatron/failure_report.py).
 - slurm: an `srun` command line (block distribution, one GPU per task bound to the closest
-  cores, `-c7` on Frontier), executed in place of this process inside the allocation.
+  cores, `-c7` on Frontier), executed in place of this process inside the allocation; tasks get
+  NEOX_TOPO_EXIT_WITH_PARENT=any.
 - hostfile: DeepSpeed's launcher (`deepspeed --hostfile ...`), executed in place of this process.
 The command builders are pure functions so they can be tested without a cluster.
 """
 from __future__ import annotations
 
-import collections
 import math
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from megatron.config import ConfigError, NeoXConfig, world_size_of
+from megatron.failure_report import RankEnd, headline, how_it_ended, root_cause, where_it_was, where_the_logs_are
+from megatron.rank_guard import EXIT_WITH_PARENT
+from megatron.rank_output import RankOutput
 from megatron.exit_codes import STOP_CODES
 
 DEFAULT_MASTER_PORT = 29500
@@ -64,12 +72,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def local_rank_env(base: Mapping[str, str], rank: int, world_size: int, master_addr: str, master_port: int,
-                   simulated: bool) -> dict:
+                   simulated: bool, launcher_pid) -> dict:
     """The environment of one local rank (all ranks share this machine, so LOCAL_RANK = RANK)."""
     env = dict(base)
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                PYTHONUNBUFFERED="1")  # output is piped through deepy: let lines arrive as printed
+    env[EXIT_WITH_PARENT] = str(launcher_pid)  # a rank never outlives deepy (megatron/rank_guard.py)
     env.pop("NEOX_TOPO_SIMULATED", None)
     if simulated:
         env["NEOX_TOPO_SIMULATED"] = "1"
@@ -84,54 +93,71 @@ def local_rank_env(base: Mapping[str, str], rank: int, world_size: int, master_a
     return env
 
 
-class _RankOutput:
-    """Copies one rank's stdout and stderr to the console line by line, so lines of different
-    ranks never mix: rank 0 as is, others prefixed `[rank k]`, live or only if that rank fails."""
-
-    def __init__(self, rank: int, proc: subprocess.Popen, console: TextIO, errors: TextIO,
-                 lock: threading.Lock, live: bool, keep: int = 200):
-        self.prefix = f"[rank {rank}] " if rank else ""
-        self.lock, self.live = lock, live
-        self.tail: collections.deque = collections.deque(maxlen=keep)
-        self.threads = [threading.Thread(target=self._pump, args=(stream, target), daemon=True)
-                        for stream, target in ((proc.stdout, console), (proc.stderr, errors))]
-        for thread in self.threads:
-            thread.start()
-
-    def _pump(self, stream, target: TextIO) -> None:
-        for raw in iter(stream.readline, b""):
-            line = self.prefix + raw.decode("utf-8", "replace").rstrip("\n")
-            if self.live:
-                self._write([(target, line)])
-            else:
-                self.tail.append((target, line))
-        stream.close()
-
-    def _write(self, lines) -> None:
-        with self.lock:
-            for target, line in lines:
-                target.write(line + "\n")  # one write per line: atomic even on an unbuffered stream
-                target.flush()
-
-    def finish(self, show_tail: bool) -> None:
-        for thread in self.threads:
-            thread.join(timeout=5.0)
-        if show_tail and self.tail:
-            self._write(list(self.tail))
+def rank_log_folder(log_dir: str) -> Path:
+    """Where every rank's full output goes: <log_dir>/rank_logs_<time>_<pid>/, else (log_dir not
+    writable) a new temporary folder."""
+    name = f"rank_logs_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
+    folder = Path(log_dir) / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder.resolve()
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix=name + "_"))
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM each still-running rank's process group (its own session), SIGKILL after the grace time."""
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    returncode: int
+    at: float  # time.monotonic() when it was reaped
+
+
+class RankExits:
+    """One thread per rank blocked in wait(), so exits arrive in the order they happen, to the
+    millisecond: a poll loop visiting the ranks in order would name rank 0 when ranks 1 and 0 end
+    in the same tick, and a killed rank's peers end within milliseconds of it."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self.ended: dict[int, RankExit] = {}
+
+    def add(self, rank: int, proc: subprocess.Popen) -> None:
+        threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        self._queue.put(RankExit(rank, code, time.monotonic()))
+
+    def next(self, timeout: Optional[float]) -> Optional[RankExit]:
+        """The next exit, or None after `timeout` seconds (interruptible: signals reach deepy meanwhile)."""
+        try:
+            ended = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.ended[ended.rank] = ended
+        return ended
+
+    def wait_all(self, world: int, timeout_s: float = 30.0) -> dict[int, RankExit]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.ended) < world and time.monotonic() < deadline:
+            self.next(timeout=max(0.0, deadline - time.monotonic()))
+        return self.ended
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> set[int]:
+    """SIGTERM each still-running rank's process group (its own session), SIGKILL after the grace
+    time; returns the ranks it signalled."""
+    alive = {rank: p for rank, p in enumerate(procs) if p.poll() is None}
+    for p in alive.values():
         _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for p in alive:
+    for p in alive.values():
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _signal_group(p, signal.SIGKILL)
             p.wait()
+    return set(alive)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -146,20 +172,14 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
+ROOT_CAUSE_LINES = 40  # of the failed rank's output the console had not seen (its traceback)
 
 
 def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
               rank_output: str = "all", console: Optional[TextIO] = None, errors: Optional[TextIO] = None,
-              grace_s: float = 10.0, poll_s: float = 0.05) -> int:
+              grace_s: float = 10.0, log_folder: Optional[Path] = None) -> int:
     """Run `command` once per rank on this machine; 0 when all succeed (a stop code of
-    megatron/exit_codes.py when they stopped on a signal), else the first failure's code."""
+    megatron/exit_codes.py when they stopped on a signal), else the root cause's code."""
     console, errors = console or sys.stdout, errors or sys.stderr
     if rank_output not in ("all", "errors"):
         raise ValueError(f"rank_output must be 'all' or 'errors', not {rank_output!r}")
@@ -168,40 +188,90 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     addr = cfg.launcher.master_addr or "127.0.0.1"
     port = cfg.launcher.master_port or free_port()
     simulated = cfg.topology.simulate is not None
+    folder = log_folder or rank_log_folder(cfg.logging.log_dir)
+    folder.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
-    outputs: dict[int, _RankOutput] = {}
+    outputs: dict[int, RankOutput] = {}
+    exits = RankExits()
     forwarded = _forward_stop_signals(procs)
     try:
         for rank in range(world):
-            proc = subprocess.Popen(list(command), env=local_rank_env(base, rank, world, addr, port, simulated),
+            # Started from this thread, which outlives them: the ranks' parent-death signal is tied to it.
+            proc = subprocess.Popen(list(command), env=local_rank_env(base, rank, world, addr, port, simulated,
+                                                                            os.getpid()),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             procs.append(proc)
+            exits.add(rank, proc)
             live = rank == 0 or rank_output == "all"
-            outputs[rank] = _RankOutput(rank, proc, console, errors, lock, live=live)
-        failed = _wait_first_failure(procs, poll_s)
+            outputs[rank] = RankOutput(rank, proc, console, errors, lock, live=live,
+                                       log_path=folder / f"rank{rank}.log")
+        failed = _wait_first_failure(exits, outputs, world)
     except KeyboardInterrupt:
+        for out in outputs.values():
+            out.quiet()
         _stop(procs, grace_s)
         for out in outputs.values():
-            out.finish(show_tail=False)
+            out.finish()
         print("deepy: interrupted; stopped all ranks", file=errors, flush=True)
         return 130
     except OSError as err:
         _stop(procs, grace_s)
+        for out in outputs.values():
+            out.finish()
         raise ConfigError(f"cannot start {command[0]!r}: {err}") from None
     finally:
         _restore_signals(forwarded)
-    if failed is not None:
-        _stop(procs, grace_s)
-    for rank, out in outputs.items():
-        out.finish(show_tail=failed is not None and rank == failed)
     if failed is None:
+        for out in outputs.values():
+            out.finish()
+            out.release_hold()
         return max(proc.returncode for proc in procs)  # 0, or the stop code every rank agreed on
-    code = procs[failed].returncode
-    others = world - 1
-    stopped = f"; stopped the other {others} rank{'s' if others != 1 else ''}" if others else ""
-    print(f"deepy: rank {failed} {describe_exit(code)}{stopped}", file=errors, flush=True)
-    return exit_code_of(code) or 1
+    for out in outputs.values():
+        out.quiet()
+    stopped = _stop(procs, grace_s)
+    ended = exits.wait_all(world)
+    for out in outputs.values():
+        out.finish()
+    ends = [RankEnd(rank, procs[rank].returncode, ended[rank].at if rank in ended else time.monotonic(),
+                    stopped=rank in stopped, error=outputs[rank].error.line, last_output=outputs[rank].last_output)
+            for rank in range(world)]
+    root = root_cause(ends)
+    _report_failure(root, ends, outputs, folder, errors, lock)
+    return exit_code_of(root.returncode) or 1
+
+
+def _wait_first_failure(exits: RankExits, outputs: Mapping[int, RankOutput], world: int,
+                        tick_s: float = 0.5) -> Optional[RankExit]:
+    """Block until every rank is done (-> None) or one fails (-> its exit); meanwhile show held
+    tracebacks of ranks that went on running."""
+    while len(exits.ended) < world:
+        ended = exits.next(timeout=tick_s)
+        if ended is not None and ended.returncode != 0 and ended.returncode not in STOP_CODES:
+            return ended  # a stop code is a clean end: the others are waited for, not stopped
+        now = time.monotonic()
+        for out in outputs.values():
+            out.release_stale_hold(now)
+    return None
+
+
+def _report_failure(root: RankEnd, ends: Sequence[RankEnd], outputs: Mapping[int, RankOutput], folder: Path,
+                    errors: TextIO, lock: threading.Lock) -> None:
+    """The root cause first and once (with what the console has not seen of it), then one line per
+    other rank, then where the full output is."""
+    out = outputs[root.rank]
+    unshown = list(out.unshown)
+    shown = unshown[-ROOT_CAUSE_LINES:]
+    lines = [(errors, headline(root, len(ends)))]
+    context = where_it_was(root, ends)
+    if context and not any(line == out.prefix + (root.last_output or "") for _, line in shown):
+        lines.append((errors, context))
+    if len(unshown) > len(shown):
+        lines.append((errors, f"deepy: rank {root.rank}'s last {len(shown)} lines (all in {out.log_path}):"))
+    lines += shown
+    lines += [(errors, how_it_ended(end, root)) for end in ends if end is not root]
+    lines.append((errors, where_the_logs_are(folder, len(ends))))
+    out.write(lines)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -221,21 +291,6 @@ def _forward_stop_signals(procs: list) -> dict:
 def _restore_signals(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-
-
-def _wait_first_failure(procs: Sequence[subprocess.Popen], poll_s: float) -> Optional[int]:
-    """Block until every rank is done (-> None) or one fails (-> its rank)."""
-    while True:
-        running = False
-        for rank, proc in enumerate(procs):
-            code = proc.poll()
-            if code is None:
-                running = True
-            elif code != 0 and code not in STOP_CODES:
-                return rank  # a stop code is a clean end: the others are waited for, not stopped
-        if not running:
-            return None
-        time.sleep(poll_s)
 
 
 # --- Slurm -----------------------------------------------------------------------------------------
@@ -281,6 +336,7 @@ def slurm_env(cfg: NeoXConfig, env: Mapping[str, str], master_addr: Optional[str
     if addr:
         out["MASTER_ADDR"] = addr
     out["MASTER_PORT"] = str(cfg.launcher.master_port or env.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+    out[EXIT_WITH_PARENT] = "any"  # each task exits if its slurmstepd is gone (megatron/rank_guard.py)
     if cfg.topology.preset == "frontier":
         for key, value in FRONTIER_ENV.items():
             out.setdefault(key, value)
@@ -310,6 +366,7 @@ def deepspeed_command(cfg: NeoXConfig, script: str, config_json: str, extra_args
 # --- dispatch ---------------------------------------------------------------------------------------
 
 FREE_PORT_AT_LAUNCH = "<a free port, picked at launch>"
+LAUNCHER_PID_AT_LAUNCH = "<deepy's pid at launch>"
 NO_ALLOCATION = ("launcher slurm: no Slurm allocation here (SLURM_JOB_ID is unset); "
                  "run deepy.py inside sbatch or salloc, or use launcher: local")
 
@@ -336,7 +393,8 @@ def plan_launch(cfg: NeoXConfig, script: str, config_json: str, extra_args: Sequ
         port = cfg.launcher.master_port or FREE_PORT_AT_LAUNCH
         simulated = cfg.topology.simulate is not None
         return LaunchPlan(kind, [rank_command] * world,
-                          [local_rank_env(env, rank, world, addr, port, simulated) for rank in range(world)])
+                          [local_rank_env(env, rank, world, addr, port, simulated, LAUNCHER_PID_AT_LAUNCH)
+                           for rank in range(world)])
     if kind == "slurm":
         notes = [] if "SLURM_JOB_ID" in env else [NO_ALLOCATION]
         rank_env = slurm_env(cfg, env, first_slurm_host(env))
