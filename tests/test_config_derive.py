@@ -92,6 +92,19 @@ def test_precision_from_the_three_neox_spellings(tmp_path, text, expected):
     assert load(tmp_path, "train_micro_batch_size_per_gpu: 1\n" + text).precision.precision == expected
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("precision: bf16\n", True), ("fp16: {enabled: true}\n", True), ("precision: fp32\n", False),
+    ("precision: bf16\nfp32_allreduce: false\n", False), ("precision: fp32\nfp32_allreduce: true\n", True),
+])
+def test_step_boundary_hops_default_to_fp32_under_half_precision(tmp_path, text, expected):
+    assert load(tmp_path, "train_micro_batch_size_per_gpu: 1\n" + text).precision.fp32_allreduce is expected
+
+
+def test_bad_fp16_block_is_refused_with_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^fp16: hysteresis must be >= 1, got 0"):
+        load(tmp_path, "train_micro_batch_size_per_gpu: 1\nfp16: {enabled: true, hysteresis: 0}\n")
+
+
 def test_conflicting_precision_keys_are_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"precision keys disagree: fp16.enabled asks for fp16, precision asks for bfloat16"):
         load(tmp_path, "train_micro_batch_size_per_gpu: 1\nfp16: {enabled: true}\nprecision: bfloat16\n")

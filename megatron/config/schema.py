@@ -123,7 +123,7 @@ class PrecisionConfig:
                          aliases={"bf16": "bfloat16", "float32": "fp32", "float16": "fp16", "half": "fp16"})
     fp16: Optional[dict] = doc(None, "DeepSpeed fp16 block: enabled, loss_scale (0 = dynamic), loss_scale_window, hysteresis, min_loss_scale, initial_scale_power, type.")
     bf16: Optional[dict] = doc(None, "DeepSpeed bf16 block: {enabled: bool}.")
-    fp32_allreduce: bool = doc(False, "Reduce gradients in fp32 (gradients are always accumulated in fp32 here).")
+    fp32_allreduce: Optional[bool] = doc(None, "Run the step-boundary gradient hops (cross-node reduce-scatter, replica all-reduce) in fp32 (gradients are always accumulated over micro-batches in fp32 here). Unset: on when compute is bf16 or fp16, so sums over many nodes keep fp32 precision and cannot overflow fp16; false keeps them in the compute dtype (half the bytes).")
 
 
 @dataclass

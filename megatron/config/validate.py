@@ -161,12 +161,14 @@ def _precision(cfg: NeoXConfig, ctx: _Context, env) -> None:
         said = ", ".join(f"{key} asks for {value}" for key, value in claims)
         raise ctx.error("precision.precision", f"the precision keys disagree: {said}", "keep one way of saying it")
     p.precision = wanted.pop() if wanted else "fp32"
+    if p.fp32_allreduce is None:  # fp32 compute: moot; bf16/fp16: sums over 48 nodes need fp32
+        p.fp32_allreduce = p.precision != "fp32"
     if p.fp16:  # loss scaling's keys, checked here so a bad value stops deepy, not the ranks
         from megatron.loss_scale import LossScaleSettings
         try:
             LossScaleSettings.from_precision(p.precision, p.fp16)
         except (TypeError, ValueError) as err:
-            raise ctx.error("precision.fp16", str(err), "see docs/config.md, fp16") from None
+            raise ctx.error("precision.fp16", str(err).removeprefix("fp16 block: "), "see docs/numerics.md") from None
 
 
 def _positive_ints(value, count: tuple[int, ...]) -> bool:
