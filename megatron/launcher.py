@@ -308,6 +308,8 @@ def srun_command(cfg: NeoXConfig, rank_command: Sequence[str]) -> list[str]:
         cmd.append(f"--account={cfg.launcher.account}")
     if cfg.launcher.comment:
         cmd.append(f"--comment={cfg.launcher.comment}")
+    # One failed task ends the step: without it Slurm leaves the others waiting in a collective.
+    cmd.append("--kill-on-bad-exit=1")
     return cmd + list(rank_command)
 
 

@@ -44,8 +44,8 @@ def test_dry_run_of_the_20B_inside_a_two_node_frontier_allocation(tmp_path):
     srun = re.search(r"^  (srun .*)$", out, re.M).group(1).split()
     assert srun[:8] == ["srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--distribution=block",
                         "--gpus-per-task=1", "--gpu-bind=closest", "-c7"]
-    assert srun[8:11] == [sys.executable, "train.py", "--neox-config-json"]
-    assert srun[11].startswith(str(tmp_path / "logs" / "neox_config_")) and len(srun) == 12
+    assert srun[8:12] == ["--kill-on-bad-exit=1", sys.executable, "train.py", "--neox-config-json"]
+    assert srun[12].startswith(str(tmp_path / "logs" / "neox_config_")) and len(srun) == 13
     assert "world size: 16 ranks = 2 nodes x 4 GPUs x 2 GCDs (frontier); 8 rank(s) per node" in out
     # Rank mapping: rank = node x 8 + gpu x 2 + gcd; rank 5 is node 0, GPU 2, GCD 1.
     assert re.search(r"^\s+5\s+0\s+2\s+1$", out, re.M)

@@ -137,7 +137,7 @@ def test_srun_command_for_frontier(tmp_path):
     cmd = srun_command(cfg, ["python", "train.py", "--neox-config-json", "/run/c.json"])
     assert cmd == ["srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--distribution=block",
                    "--gpus-per-task=1", "--gpu-bind=closest", "-c7", "--account=ABC123",
-                   "python", "train.py", "--neox-config-json", "/run/c.json"]
+                   "--kill-on-bad-exit=1", "python", "train.py", "--neox-config-json", "/run/c.json"]
 
 
 def test_srun_command_for_dgx_and_for_cpu(tmp_path):
@@ -146,7 +146,8 @@ def test_srun_command_for_dgx_and_for_cpu(tmp_path):
                        "--gpus-per-task=1", "--gpu-bind=closest"]
     assert "-c7" not in dgx
     cpu = srun_command(load(tmp_path, "topology: {simulate: [2, 4]}\nlauncher: slurm\ndevice: cpu\n"), ["x"])
-    assert cpu == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--distribution=block", "x"]
+    assert cpu == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--distribution=block",
+                   "--kill-on-bad-exit=1", "x"]
 
 
 def test_slurm_environment_and_master_address(tmp_path):

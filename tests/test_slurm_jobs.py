@@ -45,7 +45,7 @@ STUB_SRUN = textwrap.dedent("""\
         opts[key] = value
         i += 1
     known = {{"--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--distribution", "--gpus-per-task",
-             "--gpu-bind", "-c", "--account", "--comment"}}
+             "--gpu-bind", "-c", "--account", "--comment", "--kill-on-bad-exit"}}
     unknown = set(opts) - known
     if unknown:
         sys.exit(f"stub srun: unexpected options {{sorted(unknown)}}")
@@ -127,10 +127,11 @@ def test_frontier_script_trains_the_tiny_model_through_the_slurm_launcher(tmp_pa
     assert calls[0] == ["--nodes=2", "--ntasks-per-node=1", "mkdir", "-p", "/tmp/miopen-"
                         + os.environ.get("USER", "neox") + "-4242"]
     train = calls[-1]
-    assert train[:4] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=block"]
-    assert train[4:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py", "--neox-config-json"]
-    config_json = Path(train[7])
-    assert config_json.parent == tmp_path / "logs" and len(train) == 8
+    assert train[:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=block",
+                         "--kill-on-bad-exit=1"]
+    assert train[5:8] == [str(Path(sys.prefix) / "bin" / "python"), "train.py", "--neox-config-json"]
+    config_json = Path(train[8])
+    assert config_json.parent == tmp_path / "logs" and len(train) == 9
     written = json.loads(config_json.read_text())
     assert written["data"]["seed"] == 7  # the script's arguments reached deepy
     assert "module load rocm" in fake_slurm["module_log"].read_text()
@@ -155,7 +156,7 @@ def test_job_scripts_requeue_exactly_when_the_run_stopped_and_saved(tmp_path, ti
                        extra_env={"NEOX_CONFIGS": str(run_cfg), "SLURM_NTASKS_PER_NODE": "2",
                                   "STUB_SRUN_EXIT": str(code)})
     assert proc.returncode == code, proc.stderr[-3000:]
-    assert srun_calls(fake_slurm)[-1][4:6] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
+    assert srun_calls(fake_slurm)[-1][5:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
     requeued = fake_slurm["scontrol_log"].read_text() if fake_slurm["scontrol_log"].exists() else ""
     assert requeued == ("requeue 4242\n" if code == STOPPED_SAVED else "")
     for option in ("--requeue", "--open-mode=append"):  # requeueable; the same job id appends its output
