@@ -1,0 +1,205 @@
+"""tools/emulate_cluster.py: nodes as network namespaces with rate-limited links (docs/emulated_cluster.md).
+
+The network tests need root, iproute2 and tc (and a kernel that grants namespaces); without them
+they skip with one line. Each test uses its own name prefix, so it finds only its own leftovers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_run_config
+
+TOOL = REPO / "tools" / "emulate_cluster.py"
+_spec = importlib.util.spec_from_file_location("emulate_cluster", TOOL)
+emu = importlib.util.module_from_spec(_spec)
+sys.modules["emulate_cluster"] = emu  # dataclasses look their module up
+_spec.loader.exec_module(emu)
+
+# What a run sends that its ledger never sees: the process-group rendezvous and gloo's connections
+# for every group, measured 21.7-22.1 kB on 2 x 2 (bench/wire_bytes.py --setup-only); 3x that.
+SETUP_ALLOWANCE = 64_000
+# Frame headers, ACKs and gloo's per-message framing: measured 3-4.5% on the tiny model; 10% allowed.
+OVERHEAD = 1.10
+
+
+def _network_problem():
+    problem = emu.environment_problem()
+    if problem:
+        return problem
+    probe = emu.new_cluster("nxprobe", 1, "200mbit")
+    try:
+        emu.build(probe)
+    except emu.EmulationError as err:
+        return f"the kernel refused the emulated network: {err}"
+    finally:
+        emu.teardown(probe)
+    return None
+
+
+@pytest.fixture(scope="module")
+def network():
+    """Skips (one line) where the emulated network cannot be built."""
+    problem = _network_problem()
+    if problem:
+        pytest.skip(f"emulated cluster: {problem}")
+
+
+def _prefix() -> str:
+    return "nxt" + secrets.token_hex(2)
+
+
+def _tool(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _left(prefix: str) -> list[str]:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [line for line in (netns + links).splitlines() if prefix in line]
+
+
+# --- without a network ----------------------------------------------------------------------------
+
+def test_rate_syntax():
+    assert emu.parse_rate("1gbit") == 1e9 and emu.parse_rate("200mbit") == 2e8
+    assert emu.parse_rate("125mbps") == 1e9 and emu.parse_rate("unlimited") is None
+    with pytest.raises(emu.UsageError):
+        emu.parse_rate("fast")
+
+
+def test_rank_environment_is_the_local_launchers_made_multi_node():
+    cluster = emu.Cluster("nxemu0000", 2, "1gbit")
+    specs = emu.rank_specs(cluster, 2, ["python", "x.py", "--out", "r{rank}-n{node}"], simulated=True,
+                           master_port=29500, base_env={"PATH": "/bin"})
+    got = [(s.node, s.env["RANK"], s.env["LOCAL_RANK"], s.env["LOCAL_WORLD_SIZE"], s.env["GLOO_SOCKET_IFNAME"])
+           for s in specs]
+    assert got == [(0, "0", "0", "2", "nxemu0000n0"), (0, "1", "1", "2", "nxemu0000n0"),
+                   (1, "2", "0", "2", "nxemu0000n1"), (1, "3", "1", "2", "nxemu0000n1")]
+    for s in specs:
+        assert (s.env["WORLD_SIZE"], s.env["MASTER_ADDR"], s.env["MASTER_PORT"]) == ("4", "198.18.0.1", "29500")
+        assert s.env["NEOX_TOPO_SIMULATED"] == "1" and s.env["NEOX_TOPO_EXIT_WITH_PARENT"] == str(os.getpid())
+    assert specs[3].command == ["python", "x.py", "--out", "r3-n1"]
+
+
+def test_without_iproute2_one_line_and_exit_69():
+    done = subprocess.run([sys.executable, str(TOOL), "--command", "true"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PATH": "/nonexistent"})
+    if os.geteuid() != 0:
+        assert "needs root" in done.stderr
+    else:
+        assert "needs iproute2" in done.stderr
+    assert done.returncode == emu.UNAVAILABLE == 69 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_without_root_one_line_and_exit_69(monkeypatch, capsys):
+    monkeypatch.setattr(emu.os, "geteuid", lambda: 1000)
+    assert emu.run(["--command", "true"]) == 69
+    assert capsys.readouterr().err == (
+        "emulate_cluster: needs root (network namespaces, veth, tc); run it as root\n")
+
+
+# --- teardown -----------------------------------------------------------------------------------------
+
+def test_nothing_left_after_a_run_a_failed_run_and_an_interrupt(network):
+    prefix = _prefix()
+    # every rank sees loopback and its node's interface, nothing else, inside its namespace
+    check = "import os, sys; sys.exit(sorted(os.listdir('/sys/class/net')) != ['lo', os.environ['GLOO_SOCKET_IFNAME']])"
+    ok = _tool("--prefix", prefix, "--nodes", "2", "--ranks-per-node", "2", "--command", f'{sys.executable} -c "{check}"')
+    assert ok.returncode == 0, ok.stderr
+    assert _left(prefix) == []
+    failed = _tool("--prefix", prefix, "--nodes", "2", "--command", "sh -c 'exit $((RANK + 3))'")
+    assert failed.returncode in (3, 4) and "exited with" in failed.stderr, failed.stderr
+    assert _left(prefix) == []
+    proc = subprocess.Popen([sys.executable, str(TOOL), "--prefix", prefix, "--nodes", "2", "--command", "sleep 60"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_network(prefix)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert _left(prefix) == []
+
+
+def test_cleanup_removes_what_a_killed_run_left(network):
+    prefix = _prefix()
+    proc = subprocess.Popen([sys.executable, str(TOOL), "--prefix", prefix, "--nodes", "2", "--command", "sleep 60"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_network(prefix)
+    time.sleep(0.5)  # the ranks are started
+    proc.kill()
+    proc.wait()
+    assert _left(prefix), "a SIGKILLed run leaves its network"
+    done = _tool("--cleanup", "--prefix", prefix)
+    assert done.returncode == 0 and "removed" in done.stderr, done.stderr
+    assert _left(prefix) == []
+
+
+def _wait_for_network(prefix: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any("-node1" in line for line in _left(prefix)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no namespace of {prefix} appeared")
+
+
+# --- the rate -------------------------------------------------------------------------------------------
+
+def test_link_rate_is_the_configured_rate_not_loopback(network, tmp_path):
+    rate = 200e6
+    link, loop = tmp_path / "link.json", tmp_path / "loop.json"
+    done = _tool("--prefix", _prefix(), "--nodes", "2", "--rate", "200mbit", "--command",
+                 f"{sys.executable} bench/link_rate.py --mb 10 --out {link}")
+    assert done.returncode == 0, done.stderr
+    done = _tool("--prefix", _prefix(), "--nodes", "1", "--ranks-per-node", "2", "--rate", "200mbit", "--command",
+                 f"{sys.executable} bench/link_rate.py --mb 100 --out {loop}")
+    assert done.returncode == 0, done.stderr
+    between, within = (json.loads(p.read_text())["payload_bits_per_s"] for p in (link, loop))
+    print(f"200mbit link between nodes: {between / 1e6:.0f} Mbit/s of payload; in-node loopback: {within / 1e6:.0f} Mbit/s")
+    assert 0.25 * rate < between < 2 * rate
+    assert within > 2 * rate
+
+
+# --- the ledger against the interface counters ------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["zero_topo", "zero3"])
+def test_ledger_inter_node_bytes_match_the_interfaces(network, tmp_path, tiny_corpus, preset):
+    """4 steps on 2 nodes x 2 ranks, an evaluation and a checkpoint every 2 steps. The ledger is
+    synced after every step and logged (log_interval 1) before that step's evaluation and save, so
+    the last evaluation and save are never logged: they equal the ones logged at step 3 less a
+    plain step (step 4). gloo's reduce-scatter is an all-reduce (2x the ledger's ring figure,
+    bench/wire_bytes.py), so the reduce-scatters' inter-node bytes count twice: zero_topo's
+    cross_grad_reduce (its cross group spans nodes, one rank per node: all inter-node) and zero3's
+    grad_reduce over the world ring 0-1-2-3 (2 of its 4 hops cross nodes: half)."""
+    cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=4, train_micro_batch_size_per_gpu=2, log_interval=1,
+                          eval_interval=2, eval_iters=1, save=str(tmp_path / "ckpt"), checkpoint_factor=2)
+    report = tmp_path / "report.json"
+    done = _tool("--prefix", _prefix(), "--rate", "1gbit", "--report", str(report), "--timeout-s", "240",
+                 "--", "train.py", str(cfg), "configs/sim-2x2.yml", f"configs/{preset}.yml", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())
+             if "comm/bytes/inter_node" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4]
+    assert steps[2]["comm/bytes/phase/checkpoint"] > 0  # the step-2 save is in step 3's line
+    ledger = sum(r["comm/bytes/inter_node"] for r in steps)
+    tail = steps[2]["comm/bytes/inter_node"] - steps[3]["comm/bytes/inter_node"]
+    if preset == "zero_topo":
+        reduce_scatter = sum(r["comm/bytes/phase/cross_grad_reduce"] for r in steps)
+    else:
+        reduce_scatter = sum(r["comm/bytes/phase/grad_reduce"] for r in steps) // 2
+    expected = ledger + tail + reduce_scatter
+    counted = json.loads(report.read_text())["inter_node_tx_bytes"]
+    print(f"{preset}: ledger inter_node {ledger:,} B + unlogged last eval/save {tail:,} B + gloo's reduce-scatter "
+          f"extra {reduce_scatter:,} B = {expected:,} B; interfaces counted {counted:,} B "
+          f"({counted / expected:.4f}x, +{counted - expected:,} B)")
+    assert expected <= counted <= expected * OVERHEAD + SETUP_ALLOWANCE

@@ -1,0 +1,599 @@
+#!/usr/bin/env python
+"""An emulated two-tier cluster on one machine: K "nodes" as network namespaces on a bridge, each
+node's link rate-limited, R ranks started inside each node's namespace.
+
+    # train.py on 2 nodes x 2 ranks over 1 Gbit/s links (deepy-style arguments after --)
+    python tools/emulate_cluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
+        train.py configs/tiny-cpu.yml configs/sim-2x2.yml configs/zero3.yml --set train_iters=4
+    # any command, once per rank ({rank} {local_rank} {node} {world_size} are replaced)
+    python tools/emulate_cluster.py --nodes 2 --ranks-per-node 2 --rate 200mbit \\
+        --command "python bench/x.py --out /tmp/x{rank}.json"
+    # remove what a killed run left behind (namespaces, links and bridges of the prefix)
+    python tools/emulate_cluster.py --cleanup
+
+The network. A bridge in the root namespace; per node a namespace `<run>-node<i>` holding one end
+of a veth pair (`<run>n<i>`, address 198.18.0.<i+1>/24, the benchmarking range RFC 2544 reserves),
+the other end (`<run>h<i>`) on the bridge. Neither the bridge nor the root namespace has an address
+in that range and the namespaces have no default route, so nothing is routed out. A token bucket
+(`tc ... tbf rate R burst 64kb latency 100ms`) sits on both ends' egress: inside the namespace it
+limits what the node sends, on the bridge side what it receives, as a NIC of rate R per direction
+on a non-blocking switch. Each namespace's loopback is up: ranks of one node talk over it,
+unlimited (the in-node tier), even when they address each other by the veth's address. Only the
+rate is emulated; netem (delay, loss) is not available here (docs/emulated_cluster.md).
+
+The ranks. Rank r runs on node r // R as `ip netns exec <ns> COMMAND` with the local launcher's
+environment (megatron.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+NEOX_TOPO_SIMULATED for a simulated layout, NEOX_TOPO_EXIT_WITH_PARENT=<this pid>, thread and
+malloc settings), with LOCAL_RANK = r % R and LOCAL_WORLD_SIZE = R instead of the single-host
+values, GLOO_SOCKET_IFNAME=<run>n<node> (gloo binds to the node's interface) and MASTER_ADDR =
+node 0's address. When a rank fails the others are stopped (SIGTERM, SIGKILL after --grace-s).
+
+Training. After `--` come deepy.py's arguments: `[SCRIPT.py] CONFIG.yml ... [--set KEY=VALUE]
+[-d DIR] [-- script args]`. The configs are merged and validated exactly as deepy.py does
+(megatron.config.load_config), the result is written once as JSON under the config's log_dir
+(deepy.write_run_config: <log_dir>/neox_config_<time>_<pid>.json, the file deepy hands its ranks),
+and every rank runs `python SCRIPT --neox-config-json THAT.json`. The config's layout must be
+--nodes x --ranks-per-node (`topology.simulate: [2, R]`, or [2, gpus, gcds] with gpus x gcds = R;
+the flags default to the layout); rank = node x R + local, the trainer's own numbering. A JSON
+written earlier (by deepy.py, or by this tool) can be run directly with
+`--command "python train.py --neox-config-json PATH"`; its layout is checked the same way.
+
+Interface counters. /sys/class/net/<if>/statistics/{tx,rx}_{bytes,packets} of every node's
+interface are read inside its namespace before the ranks start and after they end; the difference
+is what crossed node boundaries (Ethernet frames: payload + TCP/IP/Ethernet headers + ACKs +
+connection set-up). It is printed per node and, with --report PATH, written as JSON.
+
+Exit codes: 0 all ranks succeeded; the first failed rank's code (128 + N for a signal N); 2 a
+usage or config error; 69 (EX_UNAVAILABLE) no emulation possible here: not root, or ip / tc
+(iproute2) missing, or the kernel refused a namespace, veth, bridge or tbf; 124 --timeout-s
+expired; 130 / 143 interrupted by SIGINT / SIGTERM. The network is torn down in every case
+(try/finally and signal handlers); only SIGKILL leaves it, for --cleanup.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron.launcher import exit_code_of, local_rank_env, script_command  # noqa: E402
+
+USAGE = 2
+UNAVAILABLE = 69  # EX_UNAVAILABLE (sysexits.h)
+TIMED_OUT = 124  # as timeout(1)
+DEFAULT_PREFIX = "nxemu"
+DEFAULT_RATE = "1gbit"
+DEFAULT_MASTER_PORT = 29500  # every run has its own namespaces: no clash between concurrent runs
+SUBNET = "198.18.0"  # /24 inside 198.18.0.0/15; each run's bridge is its own segment
+TBF = ["burst", "64kb", "latency", "100ms"]  # 64 kB suffices at 1 Gbit/s (measured: 950 Mbit/s of payload)
+COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+OWNER_TAG = "neox-topo emulate_cluster pid="  # the bridge's alias: which process owns a run
+RUN_PARTS = r"(?:b|h\d+|n\d+|-node\d+)"  # after the run id: bridge, host end, node end, namespace
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+class EmulationError(RuntimeError):
+    """The machine cannot host the emulated network (one line says why): exit UNAVAILABLE."""
+
+
+class UsageError(ValueError):
+    """Bad arguments or config (one line): exit USAGE."""
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# --- names and checks --------------------------------------------------------------------------------
+
+def parse_rate(rate: str) -> Optional[float]:
+    """tc's rate syntax (1gbit, 200mbit, 125mbps = bytes/s) -> bits/s; None for `unlimited`."""
+    if rate == "unlimited":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", rate.strip().lower())
+    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"--rate {rate!r}: expected a tc rate such as 1gbit, 200mbit or 125mbps, or unlimited")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The names and addresses of one run's network."""
+    run_id: str
+    nodes: int
+    rate: str
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.run_id}b"
+
+    def namespace(self, node: int) -> str:
+        return f"{self.run_id}-node{node}"
+
+    def node_if(self, node: int) -> str:
+        return f"{self.run_id}n{node}"
+
+    def host_if(self, node: int) -> str:
+        return f"{self.run_id}h{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+
+def new_cluster(prefix: str, nodes: int, rate: str) -> Cluster:
+    """A run id unique on this machine: the prefix and 4 random hex digits (interface names are at
+    most 15 characters: prefix <= 8)."""
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+        raise UsageError(f"--prefix {prefix!r}: 1-8 lowercase letters or digits, starting with a letter")
+    if not 1 <= nodes <= 250:
+        raise UsageError(f"--nodes {nodes}: between 1 and 250")
+    parse_rate(rate)
+    taken = set(_netns_names()) | set(_link_names())
+    while True:
+        run_id = prefix + secrets.token_hex(2)
+        if not any(name.startswith(run_id) for name in taken):
+            return Cluster(run_id, nodes, rate)
+
+
+def environment_problem() -> Optional[str]:
+    """Why this machine cannot emulate (one line), or None."""
+    if sys.platform != "linux":
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, tc); run it as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs iproute2: {' and '.join(missing)} not found on PATH"
+    return None
+
+
+# --- the network ---------------------------------------------------------------------------------------
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise EmulationError(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip()}")
+    return done
+
+
+def _ns(cluster: Cluster, node: int, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run("ip", "netns", "exec", cluster.namespace(node), *cmd, check=check)
+
+
+def _no_ipv6(ns_cmd, names: Sequence[str]) -> None:
+    """Router solicitations and MLD reports would land in the counters; the emulation is IPv4 only.
+    Best effort: a kernel without IPv6 has nothing to turn off."""
+    script = "; ".join(f"echo 1 > /proc/sys/net/ipv6/conf/{n}/disable_ipv6" for n in names)
+    ns_cmd("sh", "-c", script + " 2>/dev/null; true")
+
+
+def build(cluster: Cluster) -> None:
+    """Bridge first (it carries the owner's pid, which --cleanup reads), then one namespace per node."""
+    br = cluster.bridge
+    _run("ip", "link", "add", br, "type", "bridge", "mcast_snooping", "0")  # no IGMP of its own
+    _run("ip", "link", "set", br, "alias", f"{OWNER_TAG}{os.getpid()}")
+    _no_ipv6(lambda *c: _run(*c, check=False), [br])
+    _run("ip", "link", "set", br, "up")
+    for node in range(cluster.nodes):
+        ns, inside, outside = cluster.namespace(node), cluster.node_if(node), cluster.host_if(node)
+        _run("ip", "netns", "add", ns)
+        _no_ipv6(lambda *c: _ns(cluster, node, *c, check=False), ["all", "default"])
+        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns)
+        _no_ipv6(lambda *c: _run(*c, check=False), [outside])
+        _no_ipv6(lambda *c: _ns(cluster, node, *c, check=False), [inside])
+        _run("ip", "link", "set", outside, "master", br, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{cluster.address(node)}/24", "dev", inside)
+        _run("ip", "-n", ns, "link", "set", inside, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        if parse_rate(cluster.rate) is not None:
+            _ns(cluster, node, "tc", "qdisc", "add", "dev", inside, "root", "tbf", "rate", cluster.rate, *TBF)
+            _run("tc", "qdisc", "add", "dev", outside, "root", "tbf", "rate", cluster.rate, *TBF)
+
+
+def teardown(cluster: Cluster) -> list[str]:
+    """Remove the run's links and namespaces (idempotent); returns what is still there."""
+    remove_run(cluster.run_id)
+    return run_leftovers(cluster.run_id)
+
+
+def remove_run(run_id: str) -> None:
+    """Processes still inside the run's namespaces (ranks of a killed run, or their children) are
+    killed first, then the host-side veth ends (each takes its peer along), namespaces, bridge."""
+    mine = re.compile(re.escape(run_id) + RUN_PARTS).fullmatch
+    for ns in _netns_names():
+        if mine(ns):
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+    for name in _link_names():
+        if mine(name) and name != f"{run_id}b":
+            _run("ip", "link", "del", name, check=False)  # a veth end: its peer goes with it
+    for ns in _netns_names():
+        if mine(ns):
+            _run("ip", "netns", "del", ns, check=False)
+    _run("ip", "link", "del", f"{run_id}b", check=False)
+
+
+def _netns_names() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _link_names() -> list[str]:
+    out = _run("ip", "-o", "link", "show", check=False).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2]
+
+
+def run_leftovers(run_id: str) -> list[str]:
+    """The run's namespaces and root-namespace links that exist."""
+    mine = re.compile(re.escape(run_id) + RUN_PARTS).fullmatch
+    return ([f"netns {n}" for n in _netns_names() if mine(n)]
+            + [f"link {n}" for n in _link_names() if mine(n)])
+
+
+def _owner(run_id: str) -> Optional[int]:
+    try:
+        alias = Path(f"/sys/class/net/{run_id}b/ifalias").read_text().strip()
+    except OSError:
+        return None
+    return int(alias[len(OWNER_TAG):]) if alias.startswith(OWNER_TAG) and alias[len(OWNER_TAG):].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup(prefix: str, out: TextIO) -> int:
+    """Remove every run of `prefix` whose owner is gone; a live run's network is left alone."""
+    pattern = re.compile(rf"({re.escape(prefix)}[0-9a-f]{{4}}){RUN_PARTS}")
+    runs = sorted({m.group(1) for name in _netns_names() + _link_names() if (m := pattern.fullmatch(name))})
+    for run_id in runs:
+        owner = _owner(run_id)
+        if owner is not None and owner != os.getpid() and _alive(owner):
+            print(f"emulate_cluster: {run_id} belongs to running pid {owner}; left alone", file=out)
+            continue
+        remove_run(run_id)
+        left = run_leftovers(run_id)
+        print(f"emulate_cluster: removed {run_id}" + (f"; still there: {', '.join(left)}" if left else ""), file=out)
+    if not runs:
+        print(f"emulate_cluster: nothing of prefix {prefix!r} to remove", file=out)
+    return 0
+
+
+def read_counters(cluster: Cluster) -> list[dict[str, int]]:
+    """Each node's interface counters, read inside its namespace."""
+    out = []
+    for node in range(cluster.nodes):
+        files = [f"/sys/class/net/{cluster.node_if(node)}/statistics/{c}" for c in COUNTERS]
+        values = _ns(cluster, node, "cat", *files).stdout.split()
+        out.append(dict(zip(COUNTERS, map(int, values))))
+    return out
+
+
+# --- the ranks ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    node: int
+    command: list
+    env: dict
+
+
+def rank_specs(cluster: Cluster, per_node: int, command: Sequence[str], simulated: bool, master_port: int,
+               base_env: Optional[dict] = None) -> list[RankSpec]:
+    """Every rank's command and environment: the local launcher's, made multi-node."""
+    world = cluster.nodes * per_node
+    base = dict(os.environ if base_env is None else base_env)
+    specs = []
+    for rank in range(world):
+        node, local = divmod(rank, per_node)
+        env = local_rank_env(base, rank, world, cluster.address(0), master_port, simulated, os.getpid())
+        env.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_node), GLOO_SOCKET_IFNAME=cluster.node_if(node))
+        fields = {"{rank}": rank, "{local_rank}": local, "{node}": node, "{world_size}": world}
+        argv = [_substitute(arg, fields) for arg in command]
+        specs.append(RankSpec(rank, node, argv, env))
+    return specs
+
+
+def _substitute(arg: str, fields: dict) -> str:
+    for key, value in fields.items():
+        arg = arg.replace(key, str(value))
+    return arg
+
+
+def _pump(stream, target: TextIO, prefix: str, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        with lock:
+            target.write(prefix + raw.decode("utf-8", "replace"))
+            target.flush()
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # each rank leads its own session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_ranks(cluster: Cluster, specs: Sequence[RankSpec], *, timeout_s: float = 0, grace_s: float = 10.0,
+              out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Start every rank in its node's namespace; 0 when all succeed, else the first failure's code.
+    `ip netns exec` enters the namespace and execs the command, so each Popen is the rank itself."""
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    lock = threading.Lock()
+    try:
+        for spec in specs:
+            proc = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(spec.node), *spec.command],
+                                    env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            procs.append(proc)
+            prefix = f"[rank {spec.rank}] " if spec.rank else ""
+            for stream, target in ((proc.stdout, out), (proc.stderr, err)):
+                pumps.append(threading.Thread(target=_pump, args=(stream, target, prefix, lock), daemon=True))
+                pumps[-1].start()
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        code = None
+        while code is None:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                code = exit_code_of(failed[0])
+                print(f"emulate_cluster: rank {codes.index(failed[0])} exited with {code}; stopping the others",
+                      file=err, flush=True)
+            elif all(c == 0 for c in codes):
+                code = 0
+            elif deadline is not None and time.monotonic() > deadline:
+                print(f"emulate_cluster: --timeout-s {timeout_s:g} expired; stopping the ranks", file=err, flush=True)
+                code = TIMED_OUT
+            else:
+                time.sleep(0.05)
+        return code
+    finally:
+        _stop(procs, grace_s)
+        for pump in pumps:
+            pump.join(timeout=5)
+
+
+# --- training configs ---------------------------------------------------------------------------------
+
+def layout_of(cfg) -> tuple[int, int]:
+    """(nodes, ranks per node) of a config's layout."""
+    layout = cfg.topology.layout
+    if not layout:
+        raise UsageError("the config has no multi-rank layout; add a two-tier one, e.g. configs/sim-2x2.yml "
+                         "(topology.simulate: [nodes, ranks per node])")
+    return int(layout[0]), math.prod(int(x) for x in layout[1:])
+
+
+def check_layout(cfg, nodes: Optional[int], per_node: Optional[int]) -> tuple[int, int]:
+    have = layout_of(cfg)
+    want = (nodes or have[0], per_node or have[1])
+    if want != have:
+        raise UsageError(f"the config's layout {cfg.topology.layout} is {have[0]} node(s) x {have[1]} ranks, "
+                         f"not --nodes {want[0]} x --ranks-per-node {want[1]}; set topology.simulate: "
+                         f"[{want[0]}, {want[1]}]")
+    return have
+
+
+class _DeepyArgs(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message}; after --: [SCRIPT.py] CONFIG.yml ... [--set KEY=VALUE] [-d DIR] [-- script args]")
+
+
+def training_config(deepy_args: Sequence[str]) -> tuple[object, str, list[str]]:
+    """deepy.py's arguments -> (the validated config, the script, the script's own arguments)."""
+    import deepy
+    from megatron.checkpointing.folders import save_folder_conflict
+    from megatron.config import ConfigError, launch_environment_error, load_config
+
+    ours, script_args = deepy.split_args(list(deepy_args))
+    p = _DeepyArgs(prog="emulate_cluster.py ... --", add_help=False)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("-d", "--conf_dir", default=None)
+    p.add_argument("args", nargs="*")
+    args = p.parse_intermixed_args(ours)
+    positional = list(args.args)
+    script = positional.pop(0) if positional and positional[0].endswith(".py") else str(REPO / "train.py")
+    if not Path(script).is_file():
+        raise UsageError(f"training script not found: {script}")
+    configs = [str(Path(args.conf_dir) / c) if args.conf_dir else c for c in positional]
+    if not configs:
+        raise UsageError("no config file after --; e.g. -- train.py configs/tiny-cpu.yml configs/sim-2x2.yml")
+    try:
+        cfg = load_config(configs, args.overrides, env={})
+        problem = launch_environment_error(cfg, {}) or save_folder_conflict(
+            cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.overwrite_checkpoints)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    if problem:
+        raise UsageError(problem)
+    return cfg, script, script_args
+
+
+def training_command(cfg, script: str, script_args: Sequence[str]) -> list[str]:
+    """The rank command, with the config written once as JSON where deepy.py writes it."""
+    import deepy
+    from megatron.config import ConfigError
+    try:
+        path = deepy.write_run_config(cfg)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    return script_command(script, str(path), script_args)
+
+
+def config_json_in(command: Sequence[str]):
+    """The config named by `--neox-config-json PATH` in a command, loaded, else None."""
+    if "--neox-config-json" not in command:
+        return None
+    from megatron.config import ConfigError, load_config_json
+    i = list(command).index("--neox-config-json")
+    try:
+        return load_config_json(command[i + 1])
+    except (IndexError, ConfigError) as err:
+        raise UsageError(f"--neox-config-json: {err}") from None
+
+
+# --- main -----------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="emulate_cluster.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=None, help="emulated nodes (default: the config's layout; else 2)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the config's layout; else 1)")
+    p.add_argument("--rate", default=DEFAULT_RATE,
+                   help="each node's link rate per direction, tc syntax (1gbit, 200mbit), or unlimited (default 1gbit)")
+    p.add_argument("--command", default=None,
+                   help="run this command per rank instead of training (shell-split; {rank} {local_rank} {node} "
+                        "{world_size} replaced)")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of namespaces and links (default nxemu)")
+    p.add_argument("--report", default=None, metavar="PATH", help="write the run's counters as JSON here")
+    p.add_argument("--timeout-s", type=float, default=0, help="stop the ranks after this many seconds (exit 124)")
+    p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace when stopping ranks")
+    p.add_argument("--cleanup", action="store_true", help="remove leftovers of --prefix whose owner is gone, then exit")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = _parser().parse_args(ours)
+    problem = environment_problem()
+    if problem:
+        print(f"emulate_cluster: {problem}", file=sys.stderr)
+        return UNAVAILABLE
+    if args.cleanup:
+        return cleanup(args.prefix, sys.stderr)
+    if (args.command is None) == (not rest):
+        raise UsageError("give either --command CMD or deepy-style arguments after -- (not both)")
+    if args.command is not None:
+        command = shlex.split(args.command)
+        cfg = config_json_in(command)
+    else:
+        cfg, script, script_args = training_config(rest)
+    if cfg is not None:
+        nodes, per_node = check_layout(cfg, args.nodes, args.ranks_per_node)
+        simulated = cfg.topology.simulate is not None
+    else:
+        nodes, per_node, simulated = args.nodes or 2, args.ranks_per_node or 1, False
+    if args.command is None:
+        command = training_command(cfg, script, script_args)
+    if per_node < 1:
+        raise UsageError(f"--ranks-per-node {per_node}: at least 1")
+    cluster = new_cluster(args.prefix, nodes, args.rate)
+    specs = rank_specs(cluster, per_node, command, simulated, args.master_port)
+    return emulate(cluster, specs, per_node, report=args.report, timeout_s=args.timeout_s, grace_s=args.grace_s)
+
+
+def emulate(cluster: Cluster, specs: Sequence[RankSpec], per_node: int, *, report: Optional[str] = None,
+            timeout_s: float = 0, grace_s: float = 10.0, err: TextIO = sys.stderr) -> int:
+    """Build the network, run the ranks, count, tear down whatever happens."""
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    code, before, after, elapsed = None, None, None, 0.0
+    try:
+        build(cluster)
+        print(f"emulate_cluster: {cluster.run_id}: {cluster.nodes} node(s) x {per_node} rank(s), "
+              f"{cluster.rate} per node link, master {cluster.address(0)}", file=err, flush=True)
+        before = read_counters(cluster)
+        start = time.monotonic()
+        code = run_ranks(cluster, specs, timeout_s=timeout_s, grace_s=grace_s, err=err)
+        elapsed = time.monotonic() - start
+        after = read_counters(cluster)
+    except EmulationError as error:
+        print(f"emulate_cluster: {error}", file=err)
+        code = UNAVAILABLE
+    except Interrupted as stop:
+        print(f"emulate_cluster: {stop}; stopped the ranks", file=err)
+        code = 128 + stop.signum
+    except KeyboardInterrupt:
+        print("emulate_cluster: interrupted; stopped the ranks", file=err)
+        code = 128 + signal.SIGINT
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
+        left = teardown(cluster)
+        if left:
+            print(f"emulate_cluster: could not remove {', '.join(left)}; run with --cleanup", file=err)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if before is not None and after is not None:
+        result = summarize(cluster, per_node, before, after, elapsed, code)
+        for line in describe(result):
+            print(f"emulate_cluster: {line}", file=err)
+        if report:
+            Path(report).write_text(json.dumps(result, indent=2))
+    return code
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def summarize(cluster: Cluster, per_node: int, before, after, elapsed: float, code: int) -> dict:
+    nodes = [{"node": i, "namespace": cluster.namespace(i), "interface": cluster.node_if(i),
+              "address": cluster.address(i), **{c: after[i][c] - before[i][c] for c in COUNTERS}}
+             for i in range(cluster.nodes)]
+    return {"run_id": cluster.run_id, "nodes": cluster.nodes, "ranks_per_node": per_node, "rate": cluster.rate,
+            "rate_bits_per_s": parse_rate(cluster.rate), "elapsed_s": round(elapsed, 3), "exit_code": code,
+            "per_node": nodes, "inter_node_tx_bytes": sum(n["tx_bytes"] for n in nodes)}
+
+
+def describe(result: dict) -> list[str]:
+    lines = [f"node {n['node']} ({n['address']}): sent {n['tx_bytes']:,} B in {n['tx_packets']:,} frames, "
+             f"received {n['rx_bytes']:,} B" for n in result["per_node"]]
+    lines.append(f"inter-node bytes sent, all nodes: {result['inter_node_tx_bytes']:,} B "
+                 f"in {result['elapsed_s']:.1f} s (exit {result['exit_code']})")
+    return lines
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return main(argv)
+    except UsageError as err:
+        print(f"emulate_cluster: error: {err}", file=sys.stderr)
+        return USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(run())
