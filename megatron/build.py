@@ -152,7 +152,8 @@ def build_training(cfg) -> Run:
     tcfg = cfg.training
     global_batch = tcfg.train_micro_batch_size_per_gpu * tcfg.gradient_accumulation_steps * runtime.world_size
     num_valid = tcfg.eval_iters * tcfg.train_micro_batch_size_per_gpu * runtime.world_size
-    train_data, valid_data, _ = build_datasets(cfg, cfg.model.padded_vocab_size,
+    # The tokenizer's own size, not the padded one: an id it cannot produce means other data.
+    train_data, valid_data, _ = build_datasets(cfg, tokenizer.vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
                                                barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
     memory = PhasePeaks(runtime.device)  # the baseline: interpreter, imports, data indices

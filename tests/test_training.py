@@ -34,7 +34,7 @@ def test_thirty_steps_loss_falls_metrics_and_checkpoint(tmp_path, tiny_corpus):
 
 
 def _expect_one_line_error(result, *fragments):
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr[-2000:]  # USAGE_ERROR: the message explains it
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert error_lines, result.stderr[-2000:]
@@ -44,7 +44,8 @@ def _expect_one_line_error(result, *fragments):
 
 def test_missing_data_file(tmp_path, tiny_corpus):
     cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(tmp_path / "nothing_text_document"))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "nothing_text_document")
+    _expect_one_line_error(run_deepy("train.py", str(cfg)), "missing", "nothing_text_document.idx",
+                           "a dataset is a .bin/.idx pair")
 
 
 def test_corrupt_magic(tmp_path, tiny_corpus):
@@ -54,7 +55,7 @@ def test_corrupt_magic(tmp_path, tiny_corpus):
     idx = prefix.parent / (prefix.name + ".idx")
     idx.write_bytes(b"NOTANIDX\x00" + idx.read_bytes()[9:])
     cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(prefix))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "bad_text_document")
+    _expect_one_line_error(run_deepy("train.py", str(cfg)), "bad_text_document.idx is not a NeoX/Megatron mmap index")
 
 
 def test_token_ids_above_vocab(tmp_path, tiny_corpus):
@@ -64,7 +65,8 @@ def test_token_ids_above_vocab(tmp_path, tiny_corpus):
         for doc in range(40):
             builder.add_document(list(range(doc, doc + 200)) + [5000])
     cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(prefix))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "vocab")
+    _expect_one_line_error(run_deepy("train.py", str(cfg)), "big_text_document.bin: token id 5000",
+                           "is outside the vocabulary [0, 320)")
 
 
 def test_gpu_config_without_gpu(tmp_path, tiny_corpus):
@@ -72,7 +74,7 @@ def test_gpu_config_without_gpu(tmp_path, tiny_corpus):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     cfg = tiny_run_config(tmp_path, tiny_corpus)
-    _expect_one_line_error(run_deepy("train.py", str(cfg), "--set", "device=cuda"), "GPU")
+    _expect_one_line_error(run_deepy("train.py", str(cfg), "--set", "device=cuda"), "no GPU is visible")
 
 
 def test_unwritable_save_folder(tmp_path, tiny_corpus):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,17 @@ def _fsync_path(path: Path) -> None:
 
 def rank_file(step_dir: Path, rank: int) -> Path:
     return step_dir / f"rank_{rank:05d}.pt"
+
+
+def read_rank_file(path: Path, mmap: bool = False) -> dict:
+    """torch.load of a rank file; one that is cut short or overwritten is a CheckpointError, not
+    torch's multi-line zip or unpickling error."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except (RuntimeError, EOFError, ValueError, OSError, pickle.UnpicklingError) as err:
+        reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} cannot be read ({reason}): the checkpoint is damaged; to resume from "
+                              f"an earlier step write its name into {Path(path).parent.parent / 'latest'}") from err
 
 
 class _ErrorRecordingFile:
@@ -215,4 +227,4 @@ def load_rank_state(step_dir: Path, rank: int, mmap: bool = False) -> dict:
     path = rank_file(step_dir, rank)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with a different layout")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    return read_rank_file(path, mmap=mmap)

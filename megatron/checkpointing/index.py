@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError, rank_file
+from megatron.checkpointing.checkpointer import CheckpointError, rank_file, read_rank_file
 from megatron.checkpointing.param_slices import FORMAT, PER_RANK
 
 INDEX = "index.json"
@@ -101,7 +101,7 @@ def open_rank_file(path: Path, step_dir: Path) -> dict:
     """A rank file memory-mapped: unpickles its dict, reads no tensor bytes until they are touched."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint in {step_dir} is incomplete")
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    state = read_rank_file(path, mmap=True)
     engine = state.get("engine") if isinstance(state, dict) else None
     if not isinstance(engine, dict) or engine.get("format") != FORMAT:
         found = engine.get("format") if isinstance(engine, dict) else None

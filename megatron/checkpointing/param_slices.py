@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank_file
+from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank_file, read_rank_file
 
 FORMAT = "neox_topo/param_slices/1"
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -33,7 +33,7 @@ def assemble_full_state(step_dir: Path) -> dict:
             path = rank_file(step_dir, rank)
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing: the checkpoint in {step_dir} is incomplete")
-            yield torch.load(path, map_location="cpu", weights_only=False, mmap=True)["engine"]
+            yield read_rank_file(path, mmap=True)["engine"]
 
     return assemble(states(), str(step_dir))
 

@@ -129,8 +129,9 @@ def build_datasets(cfg, tokenizer_vocab_size: int, num_train_samples: int, num_v
                    cache_dir: Optional[str] = None) -> Tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test) datasets of at least the requested sizes; None where there is no data.
 
-    ``tokenizer_vocab_size``: the model's (padded) vocabulary; token ids at or above it are a
-    :class:`DataError` naming the file. ``num_test_samples`` defaults to ``num_valid_samples``.
+    ``tokenizer_vocab_size``: the tokenizer's own vocabulary (not the model's padded one); a token id
+    at or above it is a :class:`DataError` naming the file: the data was made with another tokenizer.
+    ``num_test_samples`` defaults to ``num_valid_samples``.
     ``barrier`` / ``build_on_this_rank``: see
     :func:`~megatron.data.gpt_dataset.load_or_build_sample_index` (rank 0 builds the index caches, then
     all ranks meet at the barrier and read them). ``cache_dir``: where index caches go (default: beside
