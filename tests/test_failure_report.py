@@ -113,7 +113,12 @@ STUB = textwrap.dedent("""\
     rank, out = int(os.environ["RANK"]), os.environ["STUB_OUT"]
     if rank < 2:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as train.py's ranks: SIGTERM only requests a stop
+    if rank == 0:
+        open(os.path.join(out, "rank0.ready"), "w").close()
     if rank == 1:
+        # On a loaded machine rank 0 may still be starting: fail only once it ignores SIGTERM.
+        while not os.path.exists(os.path.join(out, "rank0.ready")):
+            time.sleep(0.01)
         print("building units", flush=True)
         print("Traceback (most recent call last):\\n  File \\"engine.py\\", line 9, in step\\nValueError: boom",
               file=sys.stderr, flush=True)
