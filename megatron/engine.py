@@ -146,7 +146,7 @@ class LocalEngine:
         """Load from a checkpoint reader (megatron.checkpointing.reader): the only rank reads whole
         parameters. ``weights_only`` (finetune): no optimizer state, step 0."""
         params = dict(self.model.named_parameters())
-        check_shapes(reader.shapes, {n: tuple(p.shape) for n, p in params.items()}, "being loaded")
+        check_shapes(reader.shapes, {n: tuple(p.shape) for n, p in params.items()}, str(reader.step_dir))
         step = 0 if weights_only else int(reader.step)
         keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
         for name, param in params.items():

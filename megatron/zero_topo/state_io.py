@@ -112,7 +112,7 @@ def load_from_reader(engine: "ZeroTopoEngine", reader, weights_only: bool = Fals
     if weight_chunk not in ("files", "refresh"):
         raise EngineError(f"weight_chunk must be 'files' or 'refresh', not {weight_chunk!r}")
     check_shapes(reader.shapes, {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
-                 "being loaded")
+                 str(reader.step_dir))
     keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
     for unit in engine.units:
         w_lo, w_hi = unit.weight_range
