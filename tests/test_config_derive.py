@@ -103,6 +103,8 @@ def test_step_boundary_hops_default_to_fp32_under_half_precision(tmp_path, text,
 def test_bad_fp16_block_is_refused_with_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^fp16: hysteresis must be >= 1, got 0"):
         load(tmp_path, "train_micro_batch_size_per_gpu: 1\nfp16: {enabled: true, hysteresis: 0}\n")
+    with pytest.raises(ConfigError, match=r"^fp16: hysteresis must be >= 1, got 0 \(in --set\)"):
+        load(tmp_path, "train_micro_batch_size_per_gpu: 1\n", ["fp16.enabled=true", "fp16.hysteresis=0"])
 
 
 def test_conflicting_precision_keys_are_an_error(tmp_path):

@@ -86,7 +86,9 @@ class MergedYaml:
             found = self.origins.get(".".join(parts[:end]))
             if found:
                 return found
-        return "defaults"
+        # A block never given whole but with keys set inside it (--set fp16.hysteresis=0).
+        inside = sorted({origin for key, origin in self.origins.items() if key.startswith(dotted + ".")})
+        return ", ".join(inside) if inside else "defaults"
 
 
 def read_config_file(path: str | Path) -> tuple[dict, str]:
