@@ -62,8 +62,8 @@ class Run:
             return
         vocab = self.cfg.model.padded_vocab_size
         lines = []
-        if self.trainer.last_train_loss is not None:
-            lines.append(f"final train loss {self.trainer.last_train_loss:.4f}")
+        if self.trainer.numerics.last_loss is not None:
+            lines.append(f"final train loss {self.trainer.numerics.last_loss:.4f}")
         if self.trainer.last_valid_loss is not None:
             lines.append(f"final validation loss {self.trainer.last_valid_loss:.4f}")
         entropy = unigram_entropy(self.train_data, vocab)
@@ -132,7 +132,7 @@ def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     if not runtime.distributed:
         return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
                            cfg.training.gradient_accumulation_steps, runtime.device,
-                           loss_scaling=LossScaleSettings.from_precision(cfg.precision.precision, cfg.precision.fp16))
+                           loss_scaling=LossScaleSettings.from_config(cfg.precision))
     from megatron.zero_topo.setup import engine_from_config
     engine = engine_from_config(cfg, model, lm_loss, runtime.world_size, device=runtime.device,
                                 materialize=unit_materializer(model, cfg.checkpoint.load_hf))

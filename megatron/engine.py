@@ -69,7 +69,7 @@ class LocalEngine:
             adamw_param_groups(model, opt_cfg.weight_decay), lr=0.0, betas=tuple(opt_cfg.betas),
             eps=opt_cfg.eps, foreach=False)
         # fp16 needs loss scaling (the fp16 block's settings); bf16 and fp32 run at scale 1.
-        self.loss_scale = DynamicLossScale(settings=loss_scaling or LossScaleSettings.from_precision(precision))
+        self.loss_scale = DynamicLossScale(loss_scaling or LossScaleSettings.from_precision(precision))
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype,

@@ -28,6 +28,11 @@ class LossScaleSettings:
     min_scale: float = 1.0
 
     @classmethod
+    def from_config(cls, precision_cfg) -> "LossScaleSettings":
+        """From a config's ``precision`` group (its derived precision and NeoX's fp16 block)."""
+        return cls.from_precision(precision_cfg.precision, precision_cfg.fp16)
+
+    @classmethod
     def from_precision(cls, precision: str, fp16_block: Optional[dict] = None) -> "LossScaleSettings":
         """Loss scaling for ``precision`` (only fp16 scales) from NeoX's fp16 block."""
         block = fp16_block or {}
@@ -52,10 +57,9 @@ class LossScaleSettings:
 class DynamicLossScale:
     """The loss scale of one run: static, dynamic (DeepSpeed's rule), or 1 when disabled."""
 
-    def __init__(self, enabled: bool = False, settings: Optional[LossScaleSettings] = None):
-        self.settings = settings or LossScaleSettings(enabled=enabled)
-        self.enabled = self.settings.enabled
-        s = self.settings
+    def __init__(self, settings: LossScaleSettings):
+        self.settings = s = settings
+        self.enabled = s.enabled
         self.scale = (s.static_scale or 2.0 ** s.initial_scale_power) if self.enabled else 1.0
         self.clean_steps = 0
         self.hysteresis_left = s.hysteresis

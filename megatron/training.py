@@ -98,7 +98,6 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.stop_agreed = False
         self.stopped_early = False  # a stop signal ended the run before train_iters
-        self.last_train_loss: float | None = None
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -147,7 +146,6 @@ class Trainer:
             metrics.update({"runtime/tokens_per_sec": tokens_per_sec, "runtime/iteration_time": elapsed,
                             "runtime/samples_consumed": self.consumed_samples})
             metrics.update(self._comm_metrics())
-            self.last_train_loss = metrics["train/lm_loss"]
             if self.iteration % log_interval == 0 or self.iteration == tcfg.train_iters or self.iteration == 1:
                 self.metrics.log(self.iteration, metrics)
                 if self.runtime.is_main:

@@ -13,7 +13,7 @@ import torch
 
 from megatron.checkpointing.param_slices import assemble
 from megatron.engine import LocalEngine, lm_loss
-from megatron.loss_scale import DynamicLossScale, portable_loss_scale
+from megatron.loss_scale import DynamicLossScale, LossScaleSettings, portable_loss_scale
 from test_engine import OPT, build_model, make_batch, single_rank_engine
 
 
@@ -48,10 +48,10 @@ def test_zero_topo_fp16_checkpoint_resumes_on_the_single_process_engine():
 
 def test_older_gradscaler_state_and_bf16_resumes():
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    dynamic = DynamicLossScale(enabled=True)
+    dynamic = DynamicLossScale(LossScaleSettings(enabled=True))
     dynamic.load_state_dict(scaler.state_dict())  # what the single-process engine used to save
     assert (dynamic.scale, dynamic.clean_steps) == (256.0, 0)
-    bf16 = DynamicLossScale(enabled=False)
+    bf16 = DynamicLossScale(LossScaleSettings(enabled=False))
     bf16.load_state_dict({"scale": 4096.0, "clean_steps": 3})
     assert bf16.scale == 1.0
     local_bf16 = _local("bfloat16")

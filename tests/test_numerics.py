@@ -32,22 +32,22 @@ EXPECTED_SCALES = [1024.0, 1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0, 1024.0]
 
 
 def test_dynamic_rule_by_hand():
-    scale = DynamicLossScale(settings=LossScaleSettings(enabled=True, initial_scale_power=4, window=3, hysteresis=2))
+    scale = DynamicLossScale(LossScaleSettings(enabled=True, initial_scale_power=4, window=3, hysteresis=2))
     after = []
     for finite in (False, False, True, True, True, False, True):
         scale.update(finite)
         after.append(scale.scale)
     assert after == [16, 8, 8, 8, 16, 16, 16]
-    floor = DynamicLossScale(settings=LossScaleSettings(enabled=True, initial_scale_power=1, hysteresis=1,
+    floor = DynamicLossScale(LossScaleSettings(enabled=True, initial_scale_power=1, hysteresis=1,
                                                         min_scale=1.0))
     for _ in range(3):
         floor.update(False)
     assert floor.scale == 1.0
-    static = DynamicLossScale(settings=LossScaleSettings.from_precision("fp16", {"loss_scale": 128}))
+    static = DynamicLossScale(LossScaleSettings.from_precision("fp16", {"loss_scale": 128}))
     for finite in (False, True, True):
         static.update(finite)
     assert static.scale == 128 and not static.dynamic
-    assert DynamicLossScale(settings=LossScaleSettings.from_precision("bfloat16", {"loss_scale": 128})).scale == 1.0
+    assert DynamicLossScale(LossScaleSettings.from_precision("bfloat16", {"loss_scale": 128})).scale == 1.0
 
 
 def test_fp16_block_is_read_and_checked():
@@ -56,7 +56,7 @@ def test_fp16_block_is_read_and_checked():
     s = LossScaleSettings.from_precision("fp16", block)
     assert (s.enabled, s.static_scale, s.initial_scale_power, s.window, s.hysteresis, s.min_scale,
             s.consecutive_hysteresis) == (True, 0.0, 12, 500, 3, 2.0, True)
-    assert DynamicLossScale(settings=s).scale == 4096
+    assert DynamicLossScale(s).scale == 4096
     with pytest.raises(ValueError, match="loss_scale_window must be >= 1"):
         LossScaleSettings.from_precision("fp16", {"loss_scale_window": 0})
 

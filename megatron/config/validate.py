@@ -166,7 +166,7 @@ def _precision(cfg: NeoXConfig, ctx: _Context, env) -> None:
     if p.fp16:  # loss scaling's keys, checked here so a bad value stops deepy, not the ranks
         from megatron.loss_scale import LossScaleSettings
         try:
-            LossScaleSettings.from_precision(p.precision, p.fp16)
+            LossScaleSettings.from_config(p)
         except (TypeError, ValueError) as err:
             raise ctx.error("precision.fp16", str(err).removeprefix("fp16 block: "), "see docs/numerics.md") from None
 

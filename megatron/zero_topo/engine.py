@@ -96,7 +96,7 @@ class ZeroTopoEngine:
         self.dtype = COMPUTE_DTYPES[precision]
         # Dtype of the step-boundary hops (cross, replica): the compute dtype unless fp32_allreduce.
         self.boundary_dtype = torch.float32 if fp32_allreduce else self.dtype
-        self.loss_scale = DynamicLossScale(settings=loss_scaling or LossScaleSettings.from_precision(precision))
+        self.loss_scale = DynamicLossScale(loss_scaling or LossScaleSettings.from_precision(precision))
         self.quant = quant or QuantSettings()
         self.step_count = 0            # optimizer steps taken (AdamW's t)
         self.micro_count = 0           # micro-batches since the last optimizer step
