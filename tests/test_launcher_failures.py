@@ -3,6 +3,7 @@ rank is SIGKILLed, a rank raises. No rank may be left behind, and the console ge
 once plus one line per other rank, never the survivors' tracebacks."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,13 +80,23 @@ def kill_leftovers(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_killing_deepy_leaves_no_rank_behind(tmp_path, tiny_corpus):
-    proc = start_run(tmp_path, tiny_corpus)
+@contextlib.contextmanager
+def run_at_step_3(tmp_path: Path, corpus: Path):
+    """(deepy's process, {rank: pid}) once the run logged step 3; afterwards nothing is left running."""
+    proc = start_run(tmp_path, corpus)
     pids = {}
     try:
         wait_for_step(proc, 3)
         pids = rank_pids(proc.pid)
         assert sorted(pids) == list(range(WORLD))
+        yield proc, pids
+    finally:
+        proc.kill()
+        kill_leftovers(pids.values())
+
+
+def test_killing_deepy_leaves_no_rank_behind(tmp_path, tiny_corpus):
+    with run_at_step_3(tmp_path, tiny_corpus) as (proc, pids):
         proc.kill()  # kill -9: deepy can neither stop nor tell its ranks
         killed = time.monotonic()
         proc.wait()
@@ -94,9 +105,6 @@ def test_killing_deepy_leaves_no_rank_behind(tmp_path, tiny_corpus):
         left = [rank for rank, pid in pids.items() if alive(pid)]
         print(f"\nkill -9 deepy -> no rank left after {time.monotonic() - killed:.2f} s")
         assert not left, f"ranks {left} outlived their launcher by 60 s"
-    finally:
-        proc.kill()
-        kill_leftovers(pids.values())
 
 
 def failure_lines(stderr: str) -> list[str]:
@@ -114,18 +122,11 @@ def assert_one_line_per_survivor(lines: list[str], dead: int) -> None:
 
 
 def test_a_killed_rank_is_named_first_and_its_peers_get_one_line_each(tmp_path, tiny_corpus):
-    proc = start_run(tmp_path, tiny_corpus)
-    pids = {}
-    try:
-        wait_for_step(proc, 3)
-        pids = rank_pids(proc.pid)
+    with run_at_step_3(tmp_path, tiny_corpus) as (proc, pids):
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         _, err = proc.communicate(timeout=120)
         print(f"\nkill -9 rank 1 -> deepy exited after {time.monotonic() - killed:.2f} s")
-    finally:
-        proc.kill()
-        kill_leftovers(pids.values())
     assert proc.returncode == 128 + signal.SIGKILL
     lines = failure_lines(err)
     assert lines[0] == "deepy: rank 1 was killed by SIGKILL; stopped the other 3 ranks", err
