@@ -38,12 +38,14 @@ def test_every_honoured_key_reaches_a_typed_field():
 
 def test_noop_keys_are_accepted_with_one_notice_per_reason(tmp_path):
     cfg, notices = load(tmp_path, "bias_gelu_fusion: true\nrope_fusion: true\npartition_activations: true\n"
-                                  "zero_optimization: {stage: 1, overlap_comm: true, reduce_bucket_size: 500000000}\n"
+                                  "zero_optimization: {stage: 1, overlap_comm: true, reduce_scatter: true, contiguous_gradients: true}\n"
                                   "layernorm_fusion: false\n")
     assert cfg.zero.stage == 1
     fusion = [n for n in notices if "kernel fusion" in n]
     assert len(fusion) == 1 and "bias_gelu_fusion, rope_fusion" in fusion[0] and "layernorm_fusion" not in fusion[0]
-    assert any("zero_optimization.{overlap_comm, reduce_bucket_size}" in n for n in notices)
+    assert cfg.zero.overlap_comm is True  # honoured, no notice
+    assert any("zero_optimization.{reduce_scatter, contiguous_gradients}" in n for n in notices)
+    assert not any("overlap_comm" in n.split(":")[1] for n in notices)  # the ignored keys, before the reason
     assert any(n.startswith("notice: ignoring partition_activations") for n in notices)
 
 

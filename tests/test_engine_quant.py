@@ -208,6 +208,7 @@ def _qgz_probe(rank: int, engine: ZeroTopoEngine) -> dict:
     unit = engine.units[1]
     unit.grad_accum.zero_()
     engine._reduce_gradient(unit, _probe_gradient(rank, unit.size))
+    engine.reductions.drain()  # overlap_comm: the sum lands when the reduction is finished
     return {"chunk": unit.grad_accum.clone(), "size": unit.size}
 
 

@@ -22,6 +22,7 @@ from megatron.topology import ProcessGroups, RankGroup, Topology, preset_factors
 from megatron.zero_topo import Communicator, ZeroTopoEngine
 from megatron.zero_topo.comm_model import CommSpec, QuantSpec
 from megatron.zero_topo.memory_model import predict_model_state_bytes
+from megatron.zero_topo.comm import Pending
 from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings
 from test_engine import build_model, make_batch
 
@@ -39,8 +40,9 @@ class _LoopbackComm:
     rank the receiver of all k chunks, so a first hop sums k different chunks (whose requantization,
     unlike that of a single dequantized chunk, loses something)."""
 
-    def all_to_all(self, received, send, group, phase):
+    def start_all_to_all(self, received, send, group, phase):
         received.copy_(send)
+        return {}, Pending(None)
 
 
 def _collectives() -> QuantizedCollectives:

@@ -57,6 +57,12 @@ def test_peak_model_by_hand():
     assert peaks["build"] == {"states": 2380, "unit being built": 240 * 4 + 240 * 4 + 240 * 2, "total": 4780}
     assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
                              "reduction output": 120 * 2, "activations": 0, "total": 4060}
+    # overlap_comm, 2 pieces in flight of at most 64 elements: each its bf16 input and first-hop output
+    overlapped = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="zero_topo", compute_bytes=2,
+                                             reductions_in_flight=2, reduce_bucket_elements=64))
+    assert overlapped["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
+                                  "reductions in flight": 2 * (64 * 2 + 32 * 2), "activations": 0,
+                                  "total": 2380 + 960 + 480 + 384}
     assert peaks["save"] == {"states": 2380, "checkpoint pieces": 3 * 85 * 4, "total": 3400}
     # load: every unit's three fp32 slices mapped (3 x 85 x 4), and the 240-unit's staging: its three
     # slices 3 x 30 x 4, the bf16 cast of its master 30 x 2, the cross hop's S/4 x 2 = 120

@@ -103,10 +103,10 @@ _NOOP: dict[str, tuple[str, ...]] = {
     "only meaningful with tensor/pipeline/expert parallelism, which ZeRO-topo replaces": (
         "pipe_partition_method", "sequence_parallel", "output_layer_parallelism", "expert_interval",
         "use_cpu_initialization", "lazy_mpu_init"),
-    "ZeRO-topo gathers and reduces one unit at a time (prefetch: zero_optimization.prefetch_gathers); DeepSpeed's ZeRO tuning knobs do not apply": (
+    "ZeRO-topo gathers and reduces one unit at a time (prefetch: zero_optimization.prefetch_gathers; overlap: zero_optimization.overlap_comm, reduce_bucket_size, reduce_buckets_in_flight); DeepSpeed's other ZeRO tuning knobs do not apply": (
         "zero_reduce_scatter", "zero_contiguous_gradients", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
         "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-        "zero_optimization.overlap_comm", "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.reduce_scatter",
         "zero_optimization.contiguous_gradients", "zero_optimization.load_from_fp32_weights",
         "zero_optimization.elastic_checkpoint", "zero_optimization.sub_group_size",
         "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",

@@ -186,6 +186,12 @@ class ZeroConfig:
                                  key="zero_optimization.quantization_impl", choices=("auto", "reference", "cpp", "triton"))
     prefetch_gathers: bool = doc(True, "Issue each unit's weight gather asynchronously one unit early (forward: while the previous unit computes; backward: while the next one does), so communication overlaps compute; at most two units are gathered at once. The bytes sent do not change. false: every gather waits in its own unit's hook.",
                                  key="zero_optimization.prefetch_gathers")
+    overlap_comm: bool = doc(True, "Issue each unit's gradient reduction asynchronously as soon as the backward has produced it and finish it behind the backward of the units before it (DeepSpeed's overlap_comm); the backward ends by waiting for every reduction, so the optimizer and the next micro-batch see complete sums. Results are bit-identical to false (each reduction waited for at once) and the bytes sent do not change.",
+                             key="zero_optimization.overlap_comm")
+    reduce_bucket_size: int = doc(500_000_000, "Most elements one gradient-reduction collective carries (DeepSpeed's key): a larger unit is reduced in pieces, each the same columns of every member's share, cut at quantization blocks. Bucketed and unbucketed sums agree to fp32 rounding (gloo's summation order depends on the buffer size).",
+                                  key="zero_optimization.reduce_bucket_size", ge=1)
+    reduce_buckets_in_flight: int = doc(2, "With overlap_comm: most gradient pieces issued and not yet added to the accumulator (each holds its gradient and its hop buffers), like the gather prefetch's bound.",
+                                        key="zero_optimization.reduce_buckets_in_flight", ge=1)
     resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
                                            key="zero_optimization.resolved_factors", derived=True)
     resolved_preset: Optional[str] = doc(None, "Derived: the layout's name (megatron/topology/layout.py): stage0..stage3 (from stage), hsdp, zeropp, zero_topo, or custom for explicit shard_factors.",

@@ -77,14 +77,20 @@ class Communicator:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Sum ``inp`` over the members; member i gets chunk i in ``out``."""
+        charges, pending = self.start_reduce_scatter(out, inp, group, phase)
+        pending.wait()
+        return charges
+
+    def start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
+                             ) -> tuple[dict[str, int], "Pending"]:
+        """``reduce_scatter`` issued asynchronously (charged now, ``out`` valid after ``wait()``)."""
         if inp.numel() != out.numel() * group.size:
             raise CommError(f"reduce_scatter: input has {inp.numel()} elements, expected {group.size} x {out.numel()}")
         if group.size == 1:
             _copy_unless_same(out, inp)
-            return {}
+            return {}, Pending(None)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
-        compat.reduce_scatter_tensor(out, inp, group=group.handle)
-        return charges
+        return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
 
     def all_reduce(self, buf: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Sum ``buf`` over the members, in place."""
@@ -94,14 +100,20 @@ class Communicator:
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Chunk j of ``inp`` goes to member j; chunk i of ``out`` comes from member i (equal splits)."""
+        charges, pending = self.start_all_to_all(out, inp, group, phase)
+        pending.wait()
+        return charges
+
+    def start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
+                         ) -> tuple[dict[str, int], "Pending"]:
+        """``all_to_all`` issued asynchronously (charged now, ``out`` valid after ``wait()``)."""
         if out.numel() != inp.numel():
             raise CommError(f"all_to_all: output has {out.numel()} elements, input {inp.numel()}")
         if group.size == 1:
             _copy_unless_same(out, inp)
-            return {}
+            return {}, Pending(None)
         charges = self.charge("all_to_all", _nbytes(inp), group, phase)
-        dist.all_to_all_single(out, inp, group=group.handle)
-        return charges
+        return charges, Pending(dist.all_to_all_single(out, inp, group=group.handle, async_op=True), inp, out)
 
     def issue_all_reduce(self, buf: torch.Tensor, group: RankGroup) -> None:
         """The all-reduce without charging: only for callers that charged beforehand (the ledger sync)."""

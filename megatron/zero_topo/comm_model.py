@@ -119,6 +119,11 @@ class CommSpec:
     ledger_vector_len: int = (len(PHASES) + 1) * 3
     """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
     tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
+    reductions_in_flight: int = 0
+    """Gradient-reduction pieces in flight behind the backward (overlap_comm: reduce_buckets_in_flight);
+    0 = each reduction waited for at once. Memory only: the bytes sent do not depend on it."""
+    reduce_bucket_elements: int = 500_000_000
+    """Most elements of one gradient-reduction piece (reduce_bucket_size). Memory only."""
     quant: QuantSpec = field(default_factory=QuantSpec)
     """Quantized collectives: effective bits per phase, block size, error feedback (default: none)."""
     shard_layout: ShardLayout = field(init=False, repr=False, compare=False)

@@ -16,7 +16,10 @@ Hooks and the per-unit state machine (why each rule exists):
 - forward post-hook: outside backward, release and hook the outputs (pre-backward gather); during a
   recompute, keep the unit gathered for the backward that follows.
 - post-accumulate-grad hook on ``flat``: fires once per backward with the unit's summed gradient:
-  reduce, accumulate, drop the gradient, release.
+  issue its reduction, drop the gradient, release. With ``overlap_reduce`` the reduction (in
+  pieces of ``reduce_bucket_elements``) runs behind the backward of the units before it, at most
+  ``reduce_buckets_in_flight`` pieces at once, and the backward ends by waiting for all of them
+  (grad_reduce.py); without it each piece is waited for at once. Both give the same bits.
 - prefetch (``prefetch=True``): each hook that gathers a unit also issues, asynchronously, the gather
   of the unit that runs next (forward: the next unit; backward and recompute: the previous one; see
   prefetch.py). It is charged when issued, under the phase it would have had, and waited for in that
@@ -43,6 +46,8 @@ from megatron.topology.layout import ShardLayout
 from megatron.topology.topology import TopologyError
 from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
+from megatron.zero_topo.grad_reduce import (DEFAULT_BUCKET_ELEMENTS, ReductionWindow, column_ranges, ladder_chain,
+                                            piece_of, quantized_piece_chain)
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient
 from megatron.zero_topo.prefetch import PassOrder
@@ -74,7 +79,8 @@ class ZeroTopoEngine:
                  preset: Optional[str] = None, *, fp32_allreduce: bool = False,
                  quant: Optional[QuantSettings] = None, prefetch: bool = True,
                  device: Optional[torch.device] = None, materialize: Optional[Materialize] = None,
-                 loss_scaling: Optional[LossScaleSettings] = None):
+                 loss_scaling: Optional[LossScaleSettings] = None, overlap_reduce: bool = True,
+                 reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce_buckets_in_flight: int = 2):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -106,6 +112,12 @@ class ZeroTopoEngine:
         self.prefetch = prefetch       # issue the next unit's gather early (prefetch.py)
         self.order = PassOrder(len(self.units))
         self.qcomm = QuantizedCollectives(comm, self.quant, self.device) if self.quant.enabled else None
+        if reduce_bucket_elements < 1:
+            raise EngineError(f"zero_optimization.reduce_bucket_size must be >= 1 element, got {reduce_bucket_elements}")
+        if reduce_buckets_in_flight < 1:
+            raise EngineError(f"zero_optimization.reduce_buckets_in_flight must be >= 1, got {reduce_buckets_in_flight}")
+        self.reduce_bucket_elements = reduce_bucket_elements
+        self.reductions = ReductionWindow(overlap_reduce, reduce_buckets_in_flight)  # grad_reduce.py
         self._allocate_residuals()
         self._hooks = [h for u in self.units for h in self._install_hooks(u)]
         self._check_same_init()
@@ -324,18 +336,26 @@ class ZeroTopoEngine:
 
     # -- gradients ----------------------------------------------------------------------------------
     def _reduce_gradient(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        """S-element gradient -> weight group -> stride group -> added into the fp32 1/g accumulator."""
+        """S-element gradient -> weight group -> stride group (zeropp quantized: node, rail) -> added
+        into the fp32 1/g accumulator; in pieces of at most reduce_bucket_size elements, each issued
+        now and, with overlap on, finished behind the rest of the backward (grad_reduce.py)."""
         grad = grad.detach().to(self.dtype).reshape(-1)
-        if self.quant.grad_bits:
+        bits = self.quant.grad_bits
+        if bits:
             if self.hpz:  # qgZ: node hop, then rail hop; the swizzle lands chunk r on rank r
                 grad = qgz_swizzle(grad, self.groups.rail.size, self.groups.node.size)
             hops = [(group, unit.residuals.get(name)) for name, group in self._micro_hops()]
-            unit.grad_accum.add_(self.qcomm.reduce(grad, hops, "grad_reduce", self.quant.grad_bits,
-                                                   residual_scale=self.loss_scale.scale))
-            return
-        for group in (self.groups.weight, self.groups.stride):
-            grad = self._reduce_scatter(grad, group, "grad_reduce")
-        unit.grad_accum.add_(grad)
+        else:
+            hops = [(group, None) for group in (self.groups.weight, self.groups.stride) if group.size > 1]
+        rows = math.prod(group.size for group, _ in hops)
+        quantum = self.quant.block if bits else 1
+        for a, b in column_ranges(grad.numel() // rows, rows, self.reduce_bucket_elements, quantum):
+            if bits:
+                chain = quantized_piece_chain(self.qcomm, grad, hops, rows, a, b, "grad_reduce", bits,
+                                              residual_scale=self.loss_scale.scale)
+            else:
+                chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce")
+            self.reductions.submit(chain, len(hops), lambda out, a=a, b=b: unit.grad_accum[a:b].add_(out))
 
     def _reduce_scatter(self, buf: torch.Tensor, group: RankGroup, phase: str) -> torch.Tensor:
         if group.size == 1:
@@ -394,7 +414,9 @@ class ZeroTopoEngine:
             self.order.end_forward()
             self._in_backward = True
             (loss * self.loss_scale.scale if self.loss_scale.enabled else loss).backward()
+            self.reductions.drain()  # the accumulators are complete before the next micro-batch
         finally:
+            self.reductions.abandon()  # after a failed backward: its partial sums are never read
             self._in_backward = False
             self._forward_phase = "eval_gather"
             self._drain()  # also a unit that took no part in backward must not stay gathered

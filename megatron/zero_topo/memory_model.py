@@ -91,7 +91,9 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     - build: the model states, plus the largest unit being made real: its parameters in fp32 (P),
       the fp32 staging buffer (S) and the flat buffer in the compute dtype (S x c).
     - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
-      unit's gradient (S x c) and the reduction's first output (S / w x c), plus the activations.
+      unit's gradient (S x c) and the reduction's first output (S / w x c) — with overlap_comm, the
+      unit gradient autograd is producing plus M = reduce_buckets_in_flight pieces in flight, each
+      its input and first output (p x c + p / w x c, p = min(S, bucket)) — plus the activations.
     - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces.
     - load: the states, plus the checkpoint pages read (the three fp32 optimizer slices of every
       unit, memory-mapped until the load ends: clean file pages, host memory the kernel can
@@ -109,7 +111,7 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     terms = {
         "build": {"states": states, "unit being built": staging},
         "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
-                 "unit gradient": largest * c, "reduction output": largest // w * c, "activations": activations},
+                 **_reduction_terms(spec, largest), "activations": activations},
         "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES},
         "load": {"states": states, "mapped pages": 3 * sum(s // os_ for s in sizes) * FP32_BYTES,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
@@ -118,3 +120,15 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     for phase in terms.values():
         phase["total"] = sum(phase.values())
     return terms
+
+
+def _reduction_terms(spec: CommSpec, largest: int) -> dict:
+    """The gradient reduction's transient buffers at the step's peak (docs/engine.md, "Overlapped
+    gradient reduction"): synchronous, one unit's gradient and its first hop's output; overlapped,
+    the gradient being produced while M pieces are in flight with their inputs and first outputs."""
+    w, c = spec.resolved_factors()[0], spec.compute_bytes
+    if spec.reductions_in_flight == 0:
+        return {"unit gradient": largest * c, "reduction output": largest // w * c}
+    piece = min(largest, spec.reduce_bucket_elements)
+    return {"unit gradient": largest * c,
+            "reductions in flight": spec.reductions_in_flight * (piece * c + piece // w * c)}

@@ -46,5 +46,7 @@ def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
                     compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),
+                    reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
+                    reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
                     **sharding)

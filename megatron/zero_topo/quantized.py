@@ -21,6 +21,7 @@ from megatron.ops.quant.select import IMPLS
 from megatron.topology.groups import RankGroup
 from megatron.zero_topo.comm import Communicator, Pending
 from megatron.zero_topo.flat_unit import EngineError
+from megatron.zero_topo.grad_reduce import Chain, run_to_end
 
 WEIGHT_BITS = (0, 8)      # weights and refresh: INT8 or not quantized
 GRAD_BITS = (0, 4, 8)     # gradient hops may also use packed INT4
@@ -205,6 +206,11 @@ class QuantizedCollectives:
         last hop ends in the fp32 sum, which is returned (n / prod(k) elements). Residuals are in
         unscaled units; ``residual_scale`` is the loss scale ``x`` carries (see ``encode``).
         """
+        return run_to_end(self.reduce_chain(x, hops, phase, bits, residual_scale))
+
+    def reduce_chain(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
+                     bits: int, residual_scale: float = 1.0) -> Chain:
+        """``reduce`` as a chain (megatron/zero_topo/grad_reduce.py): yields each issued all-to-all."""
         if not hops:
             return x.float()
         codes, scales = self.encode(x, bits, hops[0][1], residual_scale)
@@ -212,7 +218,8 @@ class QuantizedCollectives:
         for i, (group, _residual) in enumerate(hops):
             send = pack_messages(codes, scales, group.size)
             received = torch.empty_like(send)
-            self.comm.all_to_all(received, send, group, phase)
+            _charges, pending = self.comm.start_all_to_all(received, send, group, phase)
+            yield pending
             numel //= group.size
             codes_k, scales_k = unpack_messages(received, group.size, numel, bits, self.block)
             if i + 1 < len(hops):  # the fused kernel also applies the next hop's residual

@@ -42,7 +42,9 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
                           cfg.precision.precision, groups, comm, accumulation, preset=layout.preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
                           prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize,
-                          loss_scaling=LossScaleSettings.from_config(cfg.precision))
+                          loss_scaling=LossScaleSettings.from_config(cfg.precision),
+                          overlap_reduce=bool(zero.overlap_comm), reduce_bucket_elements=int(zero.reduce_bucket_size),
+                          reduce_buckets_in_flight=int(zero.reduce_buckets_in_flight))
     if quant.error_feedback and not any(unit.residuals for unit in engine.units):
         log_print("quantization_error_feedback: no residual is kept in this layout (error feedback "
                   "corrects only a quantized gradient hop across nodes that follows the node's "
