@@ -3,7 +3,8 @@
 Common setting: units of 100, 240, 240, 96 elements on 2 nodes x 2 GPUs x 2 GCDs (N = 8, R = 4),
 A = 2 micro-batches. Ranks r -> (node r//4, gpu (r//2)%2, gcd r%2). The world ring 0->1->...->7->0
 has 4 intra_gpu hops (0-1, 2-3, 4-5, 6-7), 2 intra_node (1-2, 5-6) and 2 inter_node (3-4, 7-0).
-Every number below is written out by hand; none is computed by the model.
+Every number below is written out by hand; none is computed by the model. The last unit (96, the
+head) stays gathered from its forward to its backward: it has no backward gather.
 """
 import pytest
 
@@ -42,16 +43,21 @@ EXPECTED = {
     "stage2": {("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520,
                ("grad_reduce", "inter_node"): 9520,
                ("refresh", "intra_gpu"): 9520, ("refresh", "intra_node"): 4760, ("refresh", "inter_node"): 4760},
-    # stage 3 (8,8,8): forward gather, backward gather and weight reduce-scatter over the world, each
-    #   2 x 2380 = 4760 per rank; no refresh (the optimizer slice is the weight shard).
-    "stage3": {(phase, tier): nbytes for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
-               for tier, nbytes in (("intra_gpu", 19040), ("intra_node", 9520), ("inter_node", 9520))},
+    # stage 3 (8,8,8): forward gather and weight reduce-scatter over the world, each 2 x 2380 = 4760
+    #   per rank; backward gather of units 0-2 only: 2 x 7/8 x 4 x 584 = 4088 per rank; no refresh
+    #   (the optimizer slice is the weight shard).
+    "stage3": {**{(phase, tier): nbytes for phase in ("fwd_gather", "grad_reduce")
+                  for tier, nbytes in (("intra_gpu", 19040), ("intra_node", 9520), ("inter_node", 9520))},
+               ("bwd_gather", "intra_gpu"): 16352, ("bwd_gather", "intra_node"): 8176,
+               ("bwd_gather", "inter_node"): 8176},
     # hsdp (4,4,4): weight groups {0..3} {4..7}, ring 0-1 gpu, 1-2 node, 2-3 gpu, 3-0 node (4 + 4 hops).
     #   Gather/reduce-scatter of 4S: 3/4 x (416, 960, 960, 384) = 312 + 720 + 720 + 288 = 2040 per rank
     #   per micro-batch, x 2 = 4080 -> 4 x 4080 = 16320 per tier. Replica groups {r, r+4}: allreduce of
     #   S/4 fp32 = S = 680 bytes, 2 x 1/2 x 680 = 680 per rank, both hops inter_node: 8 x 680 = 5440.
-    "hsdp": {**{(phase, tier): 16320 for phase in ("fwd_gather", "bwd_gather", "grad_reduce")
+    #   Backward gathers of units 0-2: 3/4 x 4 x 584 = 1752, x 2 = 3504 per rank -> 14016 per tier.
+    "hsdp": {**{(phase, tier): 16320 for phase in ("fwd_gather", "grad_reduce")
                 for tier in ("intra_gpu", "intra_node")},
+             ("bwd_gather", "intra_gpu"): 14016, ("bwd_gather", "intra_node"): 14016,
              ("replica_allreduce", "inter_node"): 5440},
     # zero_topo (2,4,8): weight pairs (intra_gpu): gather of 4S, 1/2 -> 2S = 1360 per micro-batch,
     #   x 2 = 2720 per rank, x 8 ranks = 21760 for fwd, bwd and the weight reduce-scatter.
@@ -59,7 +65,8 @@ EXPECTED = {
     #   680 per micro-batch, x 2 x 8 = 10880. Cross pairs {r, r+4} (inter_node): reduce-scatter of S/4
     #   fp32 = S bytes -> S/2 = 340 per rank, x 8 = 2720. Refresh: cross allgather to S/4 (S bytes)
     #   -> 340 x 8 = 2720 inter_node; stride allgather to S/2 (2S bytes) -> 680 x 8 = 5440 intra_node.
-    "zero_topo": {("fwd_gather", "intra_gpu"): 21760, ("bwd_gather", "intra_gpu"): 21760,
+    #   Backward gathers of units 0-2: 2 x 584 = 1168 per micro-batch, x 2 x 8 = 18688.
+    "zero_topo": {("fwd_gather", "intra_gpu"): 21760, ("bwd_gather", "intra_gpu"): 18688,
                   ("grad_reduce", "intra_gpu"): 21760, ("grad_reduce", "intra_node"): 10880,
                   ("cross_grad_reduce", "inter_node"): 2720,
                   ("refresh", "inter_node"): 2720, ("refresh", "intra_node"): 5440},
@@ -67,11 +74,11 @@ EXPECTED = {
     #   the second micro-batch's forward and both backward gathers use the node groups {0..3} {4..7}
     #   (ring: 2 gpu + 2 node hops each): 3/4 x 4S = 3S = 2040 per rank per gather.
     #   fwd: gpu 9520 + 4 x 2040 = 17680, node 4760 + 4 x 2040 = 12920, inter 4760;
-    #   bwd: 2 gathers -> 4080 per rank -> gpu 16320, node 16320;
+    #   bwd: 2 node gathers of units 0-2, 3 x 584 = 1752 each -> 3504 per rank -> gpu 14016, node 14016;
     #   grad_reduce: world reduce-scatter per micro-batch -> 4760 per rank -> 19040 / 9520 / 9520.
     "zeropp": {("fwd_gather", "intra_gpu"): 17680, ("fwd_gather", "intra_node"): 12920,
                ("fwd_gather", "inter_node"): 4760,
-               ("bwd_gather", "intra_gpu"): 16320, ("bwd_gather", "intra_node"): 16320,
+               ("bwd_gather", "intra_gpu"): 14016, ("bwd_gather", "intra_node"): 14016,
                ("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520,
                ("grad_reduce", "inter_node"): 9520},
 }
@@ -91,7 +98,7 @@ def test_zero_topo_bf16_checkpointing_eval_fp32_allreduce():
         # weight-pair gather of 2S bytes: S per rank per pass. eval: 680 x 8 ranks.
         ("eval_gather", "intra_gpu"): 5440,
         ("fwd_gather", "intra_gpu"): 2 * 680 * 8,             # 10880
-        ("bwd_gather", "intra_gpu"): 2 * (104 + 96) * 8,      # units 0, 3: 3200
+        ("bwd_gather", "intra_gpu"): 2 * 104 * 8,             # unit 0 (3, the last, stays gathered): 1664
         ("recompute_gather", "intra_gpu"): 2 * (240 + 240) * 8,  # units 1, 2: 7680
         # weight reduce-scatter as the gathers (10880); stride reduce-scatter of S/2 bf16 = S bytes
         #   -> S/2 = 340 per micro-batch, x 2 x 8 = 5440.
@@ -116,8 +123,8 @@ def test_zeropp_eval_takes_the_world_gather():
         ("eval_gather", "intra_gpu"): 9520, ("eval_gather", "intra_node"): 4760, ("eval_gather", "inter_node"): 4760,
         # two node gathers per unit, 3S = 2040 per rank each -> 4080 x 4 per tier
         ("fwd_gather", "intra_gpu"): 16320, ("fwd_gather", "intra_node"): 16320,
-        # units 0, 3: 3 x (104 + 96) = 600 per gather, x 2 = 1200 per rank
-        ("bwd_gather", "intra_gpu"): 4800, ("bwd_gather", "intra_node"): 4800,
+        # unit 0 (3, the last, stays gathered): 3 x 104 = 312 per gather, x 2 = 624 per rank
+        ("bwd_gather", "intra_gpu"): 2496, ("bwd_gather", "intra_node"): 2496,
         # units 1, 2: 3 x 480 = 1440 per gather, x 2 = 2880 per rank
         ("recompute_gather", "intra_gpu"): 11520, ("recompute_gather", "intra_node"): 11520,
         ("grad_reduce", "intra_gpu"): 19040, ("grad_reduce", "intra_node"): 9520, ("grad_reduce", "inter_node"): 9520,
@@ -143,13 +150,13 @@ def test_hsdp_per_rank_follows_ring_order():
 def test_two_tier_zero_topo():
     # Layout 2 nodes x 2 ranks: zero_topo = (2, 2, 4), q = 4, S = 100, 240, 240, 96 (676), fp32, A = 1.
     # Weight pairs {0,1} {2,3} are intra_node: gather of 4S, 1/2 -> 2S = 1352 per rank, x 4 ranks = 5408
-    # per phase; stride groups have one member. Cross pairs {0,2} {1,3}: reduce-scatter of S/2 fp32 =
+    # per phase (backward: units 0-2, 2 x 580 = 1160 per rank -> 4640); stride groups have one member. Cross pairs {0,2} {1,3}: reduce-scatter of S/2 fp32 =
     # 2S bytes -> S = 676 per rank -> 2704 inter_node; refresh the same. Control, N = 4: grad norm 16 B
     # -> 2 x 3/4 x 16 = 24; step vector 3 -> 4 float64 = 32 B -> 48; ledger 30 -> 32 float64 = 256 B -> 384;
     # 456 per rank; world ring 0-1 node, 1-2 inter, 2-3 node, 3-0 inter -> 2 x 456 = 912 each.
     spec = CommSpec(UNITS, (2, 2), preset="zero_topo")
     assert predict_ledger(spec) == {
-        ("fwd_gather", "intra_node"): 5408, ("bwd_gather", "intra_node"): 5408, ("grad_reduce", "intra_node"): 5408,
+        ("fwd_gather", "intra_node"): 5408, ("bwd_gather", "intra_node"): 4640, ("grad_reduce", "intra_node"): 5408,
         ("cross_grad_reduce", "inter_node"): 2704, ("refresh", "inter_node"): 2704,
         ("control", "intra_node"): 912, ("control", "inter_node"): 912}
 

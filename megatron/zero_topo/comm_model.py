@@ -305,9 +305,12 @@ def _ladder_collectives(spec: CommSpec) -> list:
     boundary = FP32_BYTES if spec.fp32_allreduce else c
     qs, b = spec.quant, spec.quant.block_size
     out = []
-    for u, s in enumerate(padded_unit_numels(spec)):
+    sizes = padded_unit_numels(spec)
+    for u, s in enumerate(sizes):
         backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
-        passes = ([("eval_gather", e)] if e else []) + [("fwd_gather", a), (backward_gather, a)]
+        passes = ([("eval_gather", e)] if e else []) + [("fwd_gather", a)]
+        if u != len(sizes) - 1:  # the last unit stays gathered from its forward to its backward
+            passes.append((backward_gather, a))
         out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n) for phase, n in passes]
         out += [_reduce("grad_reduce", "weight", s, w, c, qs.grad_reduce_bits, b, a),
                 _reduce("grad_reduce", "stride", s // w, g // w, c, qs.grad_reduce_bits, b, a),
@@ -332,10 +335,12 @@ def _zeropp_collectives(spec: CommSpec) -> list:
     n, r = spec.world_size, spec.ranks_per_node
     wbits, gbits, b = spec.quant.weight_gather_bits, spec.quant.grad_reduce_bits, spec.quant.block_size
     out = []
-    for u, s in enumerate(padded_unit_numels(spec)):
+    sizes = padded_unit_numels(spec)
+    for u, s in enumerate(sizes):
         backward_gather = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
         first = "eval_gather" if e else "fwd_gather"
-        later = {"eval_gather": e, "fwd_gather": a, backward_gather: a}
+        # the last unit stays gathered from its forward to its backward: no backward gather
+        later = {"eval_gather": e, "fwd_gather": a, backward_gather: a if u != len(sizes) - 1 else 0}
         later[first] -= 1
         out.append(_gather(first, "world", s, n, c, wbits, b))
         out += [_gather(phase, "node", s, r, c, wbits, b, count) for phase, count in later.items() if count]

@@ -313,8 +313,9 @@ class ZeroTopoEngine:
             for tensor in state_io.tensors_within(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, u=unit: self._pre_backward(u))
-        if unit.shardable:
-            unit.release()
+        if unit.shardable and not (torch.is_grad_enabled() and self._forward_phase == "fwd_gather"
+                                   and self.order.is_last(unit.index)):
+            unit.release()  # the last unit's backward follows at once: it stays gathered for it
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         if unit.index in self.order.reduced:

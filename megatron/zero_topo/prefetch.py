@@ -44,6 +44,11 @@ class PassOrder:
             return None
         return order[pos + 1]
 
+    def is_last(self, index: int) -> bool:
+        """Whether ``index`` ended the previous forward (before any: the last of the list): its
+        backward comes right after its forward, so the engine keeps it gathered in between."""
+        return bool(self.previous) and self.previous[-1] == index
+
     def before(self, index: int) -> Optional[int]:
         """The unit to gather while ``index`` runs its backward, or None."""
         if index not in self.visited:
