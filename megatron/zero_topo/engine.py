@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -44,23 +43,16 @@ from torch import nn
 from megatron.topology.groups import ProcessGroups, RankGroup
 from megatron.topology.layout import ShardLayout
 from megatron.topology.topology import TopologyError
-from megatron.zero_topo.comm import Communicator, Pending
+from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
 from megatron.zero_topo.grad_reduce import (DEFAULT_BUCKET_ELEMENTS, ReductionWindow, column_ranges, ladder_chain,
                                             piece_of, quantized_piece_chain)
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient
 from megatron.zero_topo.prefetch import PassOrder
-from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages, qgz_swizzle
+from megatron.zero_topo.gathers import start_unit_gather
+from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
 from megatron.zero_topo import state_io
-
-
-@dataclass
-class InflightGather:
-    """A unit's issued gather: wait on ``pending``, then ``finish`` (dequantize, keep zeropp's secondary)."""
-    pending: Pending
-    charges: dict
-    finish: Optional[Callable[[], None]]
 
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -213,40 +205,8 @@ class ZeroTopoEngine:
     # -- gathers and releases -----------------------------------------------------------------------
     def _start_gather(self, unit: FlatUnit, phase: str) -> dict[str, int]:
         """Issue the unit's gather (charged now); ``_finish_gather`` waits for it. Returns the charges."""
-        full = unit.allocate()
-        finish = None
-        if self.quant.weight_bits:
-            charges, pending, finish = self._start_gather_quantized(unit, full, phase)
-        elif self.hpz and unit.secondary is not None:
-            charges, pending = self.comm.start_all_gather(full, unit.secondary, self.groups.node, phase)
-        else:
-            charges, pending = self.comm.start_all_gather(full, unit.shard, self.groups.weight, phase)
-            if self.hpz:  # first gather after a step: keep this node's secondary chunk
-                local, per_node = self.groups.rank % self.groups.node.size, self.groups.node.size
-                step = unit.size // per_node
-
-                def finish() -> None:
-                    unit.secondary = full[local * step: (local + 1) * step].clone()
-        unit.inflight = InflightGather(pending, charges, finish)
-        return charges
-
-    def _start_gather_quantized(self, unit: FlatUnit, full: torch.Tensor, phase: str):
-        """INT8 gather: allgather of packed messages, then every member dequantizes all chunks (zeropp:
-        the secondary copy is this node chunk's messages, kept packed)."""
-        bits, node, weight = self.quant.weight_bits, self.groups.node, self.groups.weight
-        if self.hpz and unit.secondary is not None:
-            received, charges, pending = self.qcomm.start_all_gather_messages(unit.secondary, node, phase)
-            return charges, pending, lambda: self.qcomm.dequantize_into(full, received, node.size, bits)
-        received, charges, pending = self.qcomm.start_all_gather_messages(self.qcomm.message(unit.shard, bits),
-                                                                          weight, phase)
-
-        def finish() -> None:
-            self.qcomm.dequantize_into(full, received, weight.size, bits)
-            if self.hpz:  # world chunks l*N/R .. (l+1)*N/R - 1 make up node chunk l = r % R
-                per_chunk = weight.size // node.size
-                unit.secondary = merge_messages(received, weight.size, (self.groups.rank % node.size) * per_chunk,
-                                                per_chunk, bits, self.quant.block)
-        return charges, pending, finish
+        unit.inflight = start_unit_gather(unit, phase, self.comm, self.qcomm, self.groups, self.quant, self.hpz)
+        return unit.inflight.charges
 
     def _finish_gather(self, unit: FlatUnit) -> dict[str, int]:
         inflight, unit.inflight = unit.inflight, None

@@ -101,7 +101,7 @@ class FlatUnit:
         self.gathered = not self.shardable
         self.recomputes = False                       # autograd re-runs this unit (activation checkpointing)
         self.pending_bwd_charges: Optional[dict] = None  # a backward gather not yet known to be a recompute
-        self.inflight = None                          # an issued gather not yet waited for (engine.InflightGather)
+        self.inflight = None                          # an issued gather not yet waited for (gathers.InflightGather)
 
     # -- the full buffer ------------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
