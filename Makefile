@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-slow bench clean docs
+.PHONY: venv demo test test-slow bench clean docs repro
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ $(STAMP): pyproject.toml Makefile $(wildcard requirements/*.txt)
 
 demo: $(STAMP)
 	$(PY) deepy.py train.py configs/tiny-cpu.yml configs/sim-2x2x2.yml configs/zero_topo.yml
+
+# The loss-curve recipe (docs/loss_curves.md): data, five training runs, their figure and table.
+# `make repro` is the full recipe (~52 minutes on 2 cores) and publishes docs/figures/loss_curves.*;
+# `make repro REPRO_STEPS=20` is a quick end-to-end check in runs/repro/20steps/ that publishes nothing.
+repro: $(STAMP)
+	$(PY) tools/repro_loss_curves.py $(if $(REPRO_STEPS),--steps $(REPRO_STEPS),--publish docs/figures)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

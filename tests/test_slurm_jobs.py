@@ -154,7 +154,8 @@ def test_job_scripts_requeue_exactly_when_the_run_stopped_and_saved(tmp_path, ti
                               train_micro_batch_size_per_gpu=2, zero_optimization={"preset": "zero_topo"})
     proc = sbatch_like(fake_slurm, script, [], nodes=2,
                        extra_env={"NEOX_CONFIGS": str(run_cfg), "SLURM_NTASKS_PER_NODE": "2",
-                                  "STUB_SRUN_EXIT": str(code)})
+                                  "STUB_SRUN_EXIT": str(code),
+                                  "LOSS_CURVES_DIR": str(tmp_path / "runs")})  # loss_curves.sbatch's runs
     assert proc.returncode == code, proc.stderr[-3000:]
     assert srun_calls(fake_slurm)[-1][5:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
     requeued = fake_slurm["scontrol_log"].read_text() if fake_slurm["scontrol_log"].exists() else ""

@@ -2,6 +2,9 @@
 """Export a NeoX-Topo checkpoint step (saved under any layout) as a Hugging Face GPTNeoXForCausalLM.
 
     python tools/convert_to_hf.py --input_dir checkpoints/tiny-cpu/global_step200 --output_dir hf/tiny
+
+Reading the master weights shows progress on stderr: a bar with rate and ETA on a terminal, a line
+every 10% or 30 s otherwise (--no-progress: none).
 """
 import argparse
 import sys
@@ -21,10 +24,11 @@ def main(argv=None) -> int:
     parser.add_argument("--input_dir", required=True, help="a global_stepN checkpoint folder")
     parser.add_argument("--output_dir", required=True, help="where to write config.json + model.safetensors")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--no-progress", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
-        out = export_hf(args.input_dir, args.output_dir, dtype)
+        out = export_hf(args.input_dir, args.output_dir, dtype, progress=not args.no_progress)
     except (CheckpointError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

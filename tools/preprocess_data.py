@@ -7,6 +7,8 @@
 ``--input`` takes comma-separated files, globs or folders: ``.jsonl`` (one JSON object per line, the
 ``--jsonl-keys`` fields are the documents) or ``.txt`` (the whole file is one document, or with
 ``--txt-mode paragraph`` each blank-line-separated block is one). Empty documents are skipped.
+Progress goes to stderr: a bar with rate and ETA on a terminal, a plain line every 10% or 30 s when
+stderr is a file (batch jobs, CI); a summary line ends the run.
 """
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="Only mmap (NeoX's default).")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="Tokenizer processes.")
-    group.add_argument("--log-interval", type=int, default=1000, help="Print progress every this many documents.")
+    group.add_argument("--log-interval", type=int, default=None,
+                       help="Accepted for NeoX compatibility and ignored: progress is a bar with rate and ETA on a "
+                            "terminal, else a line every 10%% or 30 s.")
+    group.add_argument("--no-progress", action="store_true", help="No progress output (the summary line stays).")
     return parser.parse_args(argv)
 
 
@@ -48,7 +53,7 @@ def main(argv=None) -> int:
     try:
         preprocess(args.input, args.output_prefix, args.tokenizer_type, args.vocab_file,
                    jsonl_keys=args.jsonl_keys, append_eod=args.append_eod, workers=args.workers,
-                   txt_mode=args.txt_mode, num_docs=args.num_docs, log_interval=args.log_interval,
+                   txt_mode=args.txt_mode, num_docs=args.num_docs, progress=not args.no_progress,
                    vocab_size=args.vocab_size)
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)

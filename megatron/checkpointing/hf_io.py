@@ -15,10 +15,13 @@ from megatron.checkpointing.hf import (hf_config_dict, model_config_from_hf, to_
                                        from_hf_state_dict)
 from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_from_dict
+from megatron.logging.progress import Progress
 
 
-def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `output_dir` from checkpoint folder `step_dir` (a `global_stepN`)."""
+def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
+              progress: bool = False) -> Path:
+    """Write `output_dir` from checkpoint folder `step_dir` (a `global_stepN`); `progress`: show the
+    reading of the master weights (bytes) on stderr (megatron/logging/progress.py)."""
     step_dir, out = Path(step_dir), Path(output_dir)
     if not (step_dir / "meta.json").is_file():
         raise CheckpointError(f"{step_dir} is not a committed checkpoint step (no meta.json); "
@@ -27,8 +30,12 @@ def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype =
     vocab = cfg.model.padded_vocab_size
     # master weights only, one parameter at a time through the index (no moments, no coverage masks)
     reader = CheckpointReader(step_dir)
-    params = {name: reader.read(name, 0, reader.numel(name), ("master",))["master"].view(shape)
-              for name, shape in reader.shapes.items()}
+    params = {}
+    total = 4 * sum(reader.numel(name) for name in reader.shapes)
+    with Progress("reading master weights", total, bytes_unit=True, enabled=progress) as bar:
+        for name, shape in reader.shapes.items():
+            params[name] = reader.read(name, 0, reader.numel(name), ("master",))["master"].view(shape)
+            bar.update(4 * reader.numel(name))
     reader.close()
     hf_sd = {k: v.to(dtype).contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
     out.mkdir(parents=True, exist_ok=True)

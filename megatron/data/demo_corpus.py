@@ -131,7 +131,7 @@ def ensure_demo_data(out_dir: Union[str, os.PathLike], vocab_size: int = DEFAULT
                 stream.write(json.dumps({"text": text, "path": relative}) + "\n")
         train_bpe_tokenizer((text for _, text in sources), vocab_size, str(work / TOKENIZER_FILE))
         preprocess(str(work / CORPUS_FILE), str(work / "stdlib"), "HFTokenizer", str(work / TOKENIZER_FILE),
-                   append_eod=True, log_interval=10 ** 9, log=lambda line: None)
+                   append_eod=True, progress=False, log=lambda line: None)
         tokens = MMapIndexedDataset(work / DATA_PREFIX).num_tokens
         # Data first, then the tokenizer, then the stamp: a reader never sees a stamp without files.
         for name in (CORPUS_FILE, DATA_PREFIX + ".bin", DATA_PREFIX + ".idx", TOKENIZER_FILE):

@@ -29,11 +29,18 @@ import torch
 
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDataset, token_range_error
+from megatron.logging.progress import Progress
 
 # Bumped when the index construction changes, so stale caches are never read.
 INDEX_MAP_VERSION = 1
 DOCUMENT_STREAM, SAMPLE_STREAM = 0, 1  # RNG purposes: separate streams per (seed, epoch)
 Barrier = Callable[[], None]
+Advance = Callable[[int], None]  # told how many index entries were just built (for progress)
+# Sample positions located per searchsorted call: bounds the memory of one call and lets the
+# progress bar move during a build of hundreds of millions of samples (the Pile at 2048 tokens).
+SAMPLE_CHUNK = 1 << 22
+# A build that ends sooner than this prints no progress (small datasets, tests).
+INDEX_PROGRESS_DELAY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,47 +70,70 @@ def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, stream])
 
 
-def build_doc_idx(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
+def _no_progress(entries: int) -> None:
+    pass
+
+
+def build_doc_idx(documents: np.ndarray, num_epochs: int, seed: int, advance: Advance = _no_progress) -> np.ndarray:
     """Epochs of shuffled documents, epoch ``e`` permuted by ``(seed, e)``."""
     documents = np.asarray(documents, dtype=np.int64)
-    return np.concatenate([_rng(seed, e, DOCUMENT_STREAM).permutation(documents) for e in range(num_epochs)]
-                          or [np.zeros(0, dtype=np.int64)])
+    epochs = []
+    for epoch in range(num_epochs):
+        epochs.append(_rng(seed, epoch, DOCUMENT_STREAM).permutation(documents))
+        advance(len(documents))
+    return np.concatenate(epochs or [np.zeros(0, dtype=np.int64)])
 
 
-def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
+def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int,
+                     advance: Advance = _no_progress) -> np.ndarray:
     """``(num_samples + 1, 2)`` rows (doc_idx position, offset) of stream positions ``j * seq_length``."""
     ends = np.cumsum(sizes[doc_idx], dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1]]) if len(ends) else np.zeros(0, dtype=np.int64)
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    if len(positions) and (not len(ends) or positions[-1] >= ends[-1]):
+    last = num_samples * seq_length
+    if not len(ends) or last >= ends[-1]:
         raise DataError(f"internal: {num_samples} samples of {seq_length} tokens do not fit the document stream")
-    # The document holding position p is the last one starting at or before p (skips empty ones).
-    where = np.searchsorted(starts, positions, side="right") - 1
-    return np.stack([where, positions - starts[where]], axis=1).astype(np.int64)
+    rows = np.empty((num_samples + 1, 2), dtype=np.int64)
+    for first in range(0, num_samples + 1, SAMPLE_CHUNK):
+        stop = min(first + SAMPLE_CHUNK, num_samples + 1)
+        positions = np.arange(first, stop, dtype=np.int64) * seq_length
+        # The document holding position p is the last one starting at or before p (skips empty ones).
+        where = np.searchsorted(starts, positions, side="right") - 1
+        rows[first:stop, 0] = where
+        rows[first:stop, 1] = positions - starts[where]
+        advance(stop - first)
+    return rows
 
 
-def build_shuffle_idx(tokens_per_epoch: int, seq_length: int, num_epochs: int, seed: int) -> np.ndarray:
+def build_shuffle_idx(tokens_per_epoch: int, seq_length: int, num_epochs: int, seed: int,
+                      advance: Advance = _no_progress) -> np.ndarray:
     """Sample order: the samples completed by epoch ``e`` are permuted by ``(seed, e)``, epochs in order."""
     pieces = []
     for epoch in range(num_epochs):
         first = samples_in_epochs(tokens_per_epoch, seq_length, epoch)
         last = samples_in_epochs(tokens_per_epoch, seq_length, epoch + 1)
         pieces.append(first + _rng(seed, epoch, SAMPLE_STREAM).permutation(last - first))
+        advance(last - first)
     return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
 
 
+def index_entries(num_documents: int, num_samples: int, num_epochs: int) -> int:
+    """Entries :func:`build_sample_index` produces (what its progress counts): doc, sample, shuffle."""
+    return num_epochs * num_documents + (num_samples + 1) + num_samples
+
+
 def build_sample_index(sizes: np.ndarray, documents: np.ndarray, seq_length: int, seed: int,
-                       num_epochs: int) -> SampleIndex:
-    """The three arrays for ``num_epochs`` epochs of ``documents`` (pure function, no caching)."""
+                       num_epochs: int, advance: Advance = _no_progress) -> SampleIndex:
+    """The three arrays for ``num_epochs`` epochs of ``documents`` (pure function, no caching);
+    ``advance(n)`` is called as entries are built (see :func:`index_entries`)."""
     if seq_length < 1:
         raise DataError(f"seq_length must be >= 1, got {seq_length}")
     if seed < 0:
         raise DataError(f"data seed must be >= 0, got {seed}")
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     num_samples = samples_in_epochs(tokens_per_epoch, seq_length, num_epochs)
-    doc_idx = build_doc_idx(documents, num_epochs, seed)
-    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_samples)
-    shuffle_idx = build_shuffle_idx(tokens_per_epoch, seq_length, num_epochs, seed)
+    doc_idx = build_doc_idx(documents, num_epochs, seed, advance)
+    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_samples, advance)
+    shuffle_idx = build_shuffle_idx(tokens_per_epoch, seq_length, num_epochs, seed, advance)
     return SampleIndex(doc_idx, sample_idx, shuffle_idx, num_epochs)
 
 
@@ -150,7 +180,10 @@ def load_or_build_sample_index(name: str, indexed: MMapIndexedDataset, documents
     prefix = cache_prefix(indexed.prefix, name, documents, sizes, seq_length, seed, num_epochs, cache_dir)
     paths = _cache_paths(prefix)
     if build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()):
-        index = build_sample_index(sizes, docs, seq_length, seed, num_epochs)
+        entries = index_entries(len(docs), samples_in_epochs(tokens_per_epoch, seq_length, num_epochs), num_epochs)
+        with Progress(f"building the {name} sample index ({num_epochs} epochs)", entries, "entries",
+                      delay_s=INDEX_PROGRESS_DELAY_S) as progress:
+            index = build_sample_index(sizes, docs, seq_length, seed, num_epochs, progress.update)
         try:
             Path(prefix).parent.mkdir(parents=True, exist_ok=True)
             for part, path in paths.items():

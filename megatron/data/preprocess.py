@@ -12,6 +12,9 @@ The library side of ``tools/preprocess_data.py``. Input rules:
 
 One sequence per document, with ``<|endoftext|>`` appended when ``append_eod`` (what NeoX training
 data uses). Output order equals input order for any number of workers.
+
+Progress is counted in bytes of the input files as read from disk (compressed bytes for ``.gz``), so
+the total, and with it the ETA, is known before the first document (megatron/logging/progress.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.data.tokenizers import Tokenizer, make_tokenizer
+from megatron.logging.progress import Progress
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
@@ -61,24 +65,34 @@ def expand_inputs(inputs: str | Sequence[str]) -> List[str]:
     return files
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
+def _open_text(path: str) -> Tuple[io.TextIOBase, io.BufferedReader]:
+    """The file as text, and the binary file under it: its ``tell()`` is the bytes read from disk."""
+    raw = open(path, "rb")
+    binary = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+    return io.TextIOWrapper(binary, encoding="utf-8", errors="replace"), raw
 
 
 def iter_documents(paths: Sequence[str], jsonl_keys: Sequence[str] = ("text",),
                    txt_mode: str = "file") -> Iterator[Dict[str, str]]:
     """Yield one ``{key: text}`` per document of the input files (see the module doc for the rules)."""
+    return (document for document, _ in _read_documents(paths, jsonl_keys, txt_mode))
+
+
+def _read_documents(paths: Sequence[str], jsonl_keys: Sequence[str],
+                    txt_mode: str) -> Iterator[Tuple[Dict[str, str], int]]:
+    """``(document, input bytes read so far over all files)`` for each document."""
     if txt_mode not in ("file", "paragraph"):
         raise DataError(f"txt mode {txt_mode!r} is not one of: file, paragraph")
+    done = 0  # bytes of the files already read to the end
     for path in paths:
-        with _open_text(path) as stream:
+        stream, raw = _open_text(path)
+        with raw, stream:
             if path.endswith(TEXT_SUFFIXES):
                 text = stream.read()
                 blocks = [text] if txt_mode == "file" else PARAGRAPH_BREAK.split(text)
                 for block in blocks:
-                    yield {jsonl_keys[0]: block if txt_mode == "file" else block.strip("\n")}
+                    yield {jsonl_keys[0]: block if txt_mode == "file" else block.strip("\n")}, done + raw.tell()
+                done += raw.tell()
                 continue
             for line_number, line in enumerate(stream, start=1):
                 if not line.strip():
@@ -89,7 +103,8 @@ def iter_documents(paths: Sequence[str], jsonl_keys: Sequence[str] = ("text",),
                     raise DataError(f"{path}:{line_number} is not valid JSON ({error.msg})") from error
                 if not isinstance(record, dict):
                     raise DataError(f"{path}:{line_number} is not a JSON object")
-                yield {key: str(record.get(key) or "") for key in jsonl_keys}
+                yield {key: str(record.get(key) or "") for key in jsonl_keys}, done + raw.tell()
+            done += raw.tell()
 
 
 class DocumentEncoder:
@@ -127,41 +142,33 @@ def _worker_encoder(settings: tuple) -> DocumentEncoder:
     return DocumentEncoder(*settings)
 
 
-def _encode_in_worker(job: Tuple[tuple, List[Dict[str, str]]]):
-    settings, documents = job
-    return _worker_encoder(settings).encode_batch(documents)
+def _encode_in_worker(job: Tuple[tuple, List[Dict[str, str]], int]):
+    settings, documents, position = job
+    return _worker_encoder(settings).encode_batch(documents), position
 
 
-def _batches(documents: Iterable[Dict[str, str]], size: int, limit: Optional[int]) -> Iterator[List[Dict[str, str]]]:
+def _batches(documents: Iterable[Tuple[Dict[str, str], int]], size: int,
+             limit: Optional[int]) -> Iterator[Tuple[List[Dict[str, str]], int]]:
+    """``(documents, input position after the last of them)`` in batches of ``size``."""
     batch: List[Dict[str, str]] = []
-    for count, document in enumerate(documents):
+    position = 0
+    for count, (document, position) in enumerate(documents):
         if limit is not None and count >= limit:
             break
         batch.append(document)
         if len(batch) == size:
-            yield batch
+            yield batch, position
             batch = []
     if batch:
-        yield batch
+        yield batch, position
 
 
-class Progress:
-    """Prints ``processed N documents ...`` every ``interval`` documents and a final summary."""
+class Counts:
+    """What has been written so far, for the summary line."""
 
-    def __init__(self, interval: int, log: Callable[[str], None]):
-        self.interval, self.log = max(1, interval), log
+    def __init__(self):
         self.start = time.time()
         self.documents = self.bytes = self.tokens = self.skipped = 0
-        self._next = self.interval
-
-    def update(self, documents: int, text_bytes: int, tokens: int, skipped: int) -> None:
-        self.documents += documents
-        self.bytes += text_bytes
-        self.tokens += tokens
-        self.skipped += skipped
-        if self.documents >= self._next:
-            self._next = (self.documents // self.interval + 1) * self.interval
-            self.log(self.line())
 
     def line(self) -> str:
         elapsed = max(time.time() - self.start, 1e-9)
@@ -172,10 +179,13 @@ class Progress:
 def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str,
                vocab_file: Optional[str] = None, jsonl_keys: Sequence[str] = ("text",),
                append_eod: bool = False, workers: int = 1, txt_mode: str = "file",
-               num_docs: Optional[int] = None, log_interval: int = 1000,
+               num_docs: Optional[int] = None, progress: bool = True,
                log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
                vocab_size: Optional[int] = None) -> Dict[str, str]:
-    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx``; returns ``{key: prefix}``."""
+    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx``; returns ``{key: prefix}``.
+
+    ``progress``: a bar on a terminal, else a line every 10% or 30 s, on stderr; ``log`` gets the
+    summary line at the end."""
     files = expand_inputs(inputs)
     if not jsonl_keys:
         raise DataError("--jsonl-keys needs at least one key")
@@ -183,29 +193,34 @@ def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: 
     dtype = best_fitting_dtype(encoder.tokenizer.vocab_size)
     prefixes = {key: f"{output_prefix}_{key}_document" for key in jsonl_keys}
     builders = {key: MMapIndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
-    progress = Progress(log_interval, log)
-    batches = _batches(iter_documents(files, jsonl_keys, txt_mode), BATCH_DOCUMENTS, num_docs)
+    counts = Counts()
+    # With --num-docs the run may stop early: the file sizes are then an upper bound, not the total.
+    total = sum(os.path.getsize(path) for path in files) if num_docs is None else None
+    batches = _batches(_read_documents(files, jsonl_keys, txt_mode), BATCH_DOCUMENTS, num_docs)
     pool = None
+    bar = Progress("tokenizing", total, bytes_unit=True, enabled=progress)
     try:
         if workers > 1:
             # spawn: forked children of a process that already used the Rust tokenizer's thread pool
             # would run it single-threaded with a warning; fresh interpreters avoid that.
             pool = multiprocessing.get_context("spawn").Pool(workers)
-            jobs = ((encoder.settings, batch) for batch in batches)
+            jobs = ((encoder.settings, batch, position) for batch, position in batches)
             results = pool.imap(_encode_in_worker, jobs, chunksize=4)
         else:
-            results = map(encoder.encode_batch, batches)
-        for batch in results:
-            tokens = skipped = 0
+            results = ((encoder.encode_batch(batch), position) for batch, position in batches)
+        for batch, position in results:
             for ids_by_key, _ in batch:
                 for key, ids in ids_by_key.items():
                     if not ids:
-                        skipped += 1
+                        counts.skipped += 1
                         continue
                     builders[key].add_document(ids)
-                    tokens += len(ids)
-            progress.update(len(batch), sum(size for _, size in batch), tokens, skipped)
+                    counts.tokens += len(ids)
+            counts.documents += len(batch)
+            counts.bytes += sum(size for _, size in batch)
+            bar.advance_to(position)
     except BaseException:
+        bar.close(finished=False)
         for builder in builders.values():
             builder.abort()
         raise
@@ -213,8 +228,9 @@ def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: 
         if pool is not None:
             pool.terminate()
             pool.join()
+    bar.close()
     for builder in builders.values():
         builder.finalize()
-    log(progress.line() + f"; skipped {progress.skipped} empty; wrote "
+    log(counts.line() + f"; skipped {counts.skipped} empty; wrote "
         + ", ".join(f"{prefix}.bin/.idx" for prefix in prefixes.values()))
     return prefixes

@@ -1,0 +1,159 @@
+"""tools/loss_curves.py on two short real runs of the trainer (and copies of their metrics edited the
+way restarts and other runs leave them): CSV columns, the PNG, the gaps, restarts, one-line errors."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_deepy, tiny_run_config
+
+TOOL = REPO / "tools" / "loss_curves.py"
+STEPS = 6
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("loss_curves", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+loss_curves = _load_tool()
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, tiny_corpus) -> dict[str, Path]:
+    """Two 6-step single-process runs differing only in seed: the noise pair (~2 s each)."""
+    runs = {}
+    for name, seed in (("zero3_s1", 1234), ("zero3_s2", 99)):
+        folder = tmp_path_factory.mktemp(name)
+        cfg = tiny_run_config(folder, tiny_corpus, seed=seed, train_iters=STEPS, eval_interval=3, eval_iters=1,
+                              log_interval=1, zero_optimization={"stage": 3})
+        done = run_deepy("train.py", str(cfg), timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[name] = folder / "logs"
+    return runs
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_records(folder: Path, items: list[dict]) -> None:
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+
+
+def final_valid(folder: Path) -> float:
+    return [r["validation/lm_loss"] for r in records(folder) if "validation/lm_loss" in r][-1]
+
+
+def test_two_real_runs_and_a_third_one_percent_worse(two_runs, tmp_path, capsys):
+    # A third run: the baseline's history, its validation losses 1% higher (a copy of its folder,
+    # config included, so it carries the same preset and tokens per step).
+    worse = tmp_path / "worse"
+    shutil.copytree(two_runs["zero3_s1"], worse)
+    write_records(worse, [{**r, **({"validation/lm_loss": r["validation/lm_loss"] * 1.01}
+                                   if "validation/lm_loss" in r else {})} for r in records(worse)])
+    out = tmp_path / "out" / "curves"
+    code = loss_curves.main([str(two_runs["zero3_s1"]), f"zero3_s2={two_runs['zero3_s2']}", f"worse={worse}",
+                             "--baseline", "logs", "--noise-runs", "logs", "zero3_s2",
+                             "--output", str(out), "--markdown"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    # The label of a folder without LABEL= is its name: the tiny config logs into <tmp>/logs.
+    assert printed.splitlines()[2].startswith("| logs")
+
+    with open(out.with_suffix(".csv")) as stream:
+        rows = list(csv.DictReader(stream))
+    assert tuple(rows[0]) == loss_curves.CSV_COLUMNS
+    assert {r["run"] for r in rows} == {"logs", "zero3_s2", "worse"}
+    first = [r for r in rows if r["run"] == "zero3_s2"]
+    assert [int(r["iteration"]) for r in first] == list(range(1, STEPS + 1))
+    assert {r["preset"] for r in rows} == {"zero3"}
+    # tokens = iteration x global batch (8) x seq_length (32), from the run's config
+    assert [int(r["tokens"]) for r in first] == [i * 8 * 32 for i in range(1, STEPS + 1)]
+    assert [r["valid_loss"] != "" for r in first] == [False, False, True, False, False, True]
+    train = [float(r["train_loss"]) for r in first]
+    assert float(first[0]["train_loss_smoothed"]) == pytest.approx(train[0])  # debiased EMA starts at the point
+    ema = 0.0
+    for n, value in enumerate(train, start=1):
+        ema = 0.9 * ema + 0.1 * value
+    assert float(first[-1]["train_loss_smoothed"]) == pytest.approx(ema / (1 - 0.9 ** STEPS))
+
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+    # The gaps by hand: valid gap in % of the baseline, and in units of the seeds' spread.
+    v1, v2 = final_valid(two_runs["zero3_s1"]), final_valid(two_runs["zero3_s2"])
+    noise = abs(v1 - v2)
+    table = out.with_suffix(".md").read_text()
+    assert f"noise (spread of the seed runs' final validation loss): {noise:.4f}" in table
+    cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:5]}
+    assert cells["worse"][7] == "+1.00"
+    assert float(cells["worse"][8]) == pytest.approx(0.01 * v1 / noise, abs=0.006)
+    assert cells["zero3_s2"][7] == f"{100 * (v2 - v1) / v1:+.2f}"
+    assert cells["zero3_s2"][9].rstrip(" |") == "yes"  # a seed run is within its own spread
+    assert cells["logs (baseline)"][7] == "+0.00"
+
+
+def test_a_resumed_run_keeps_the_latest_record_of_each_iteration(two_runs, tmp_path):
+    """Attempt 1 logged steps 1-6 and died; attempt 2 resumed from the step-3 checkpoint and has
+    logged 4-5 so far. Steps 4-5 are attempt 2's, step 6 (attempt 1's, not redone yet) is gone."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two_runs["zero3_s1"], resumed)
+    first = records(resumed)
+    again = [{**r, "train/lm_loss": r["train/lm_loss"] + 1.0} for r in first
+             if r["iteration"] in (4, 5) and "train/lm_loss" in r]
+    write_records(resumed, first + again)
+    with open(resumed / "metrics.jsonl", "a") as stream:
+        stream.write('{"iteration": 5, "train/lm')  # killed while writing a record
+    out = tmp_path / "curves"
+    assert loss_curves.main([f"resumed={resumed}", "--output", str(out)]) == 0
+    with open(out.with_suffix(".csv")) as stream:
+        rows = list(csv.DictReader(stream))
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4, 5]
+    by_step = {int(r["iteration"]): float(r["train_loss"]) for r in rows}
+    original = {r["iteration"]: r["train/lm_loss"] for r in first if "train/lm_loss" in r}
+    assert by_step == {**{i: original[i] for i in (1, 2, 3)}, 4: original[4] + 1.0, 5: original[5] + 1.0}
+    assert rows[2]["valid_loss"] != ""  # the step-3 evaluation, before the restart point, stays
+
+
+def _one_line_error(args: list[str], capsys) -> str:
+    assert loss_curves.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("loss_curves: error: ")
+    return err[0]
+
+
+def test_bad_inputs_are_one_line_errors(two_runs, tmp_path, capsys):
+    run = str(two_runs["zero3_s1"])
+    assert "no such file" in _one_line_error([str(tmp_path / "missing")], capsys)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    assert "is empty" in _one_line_error([str(tmp_path / "empty")], capsys)
+    other = tmp_path / "other"
+    other.mkdir()
+    write_records(other, [{"iteration": 1, "runtime/iteration_time": 0.5}])
+    assert "no common metric" in _one_line_error([run, str(other)], capsys)
+    assert "--baseline 'nope' is not one of the runs: logs" in _one_line_error([run, "--baseline", "nope"], capsys)
+    assert "--noise-runs 'x'" in _one_line_error([run, "--noise-runs", "logs", "x"], capsys)
+    assert "two runs are labelled 'logs'" in _one_line_error([run, run], capsys)
+    assert "--smooth" in _one_line_error([run, "--smooth", "ema:2"], capsys)
+    assert "unrecognized arguments" in _one_line_error([run, "--bogus"], capsys)
+
+
+def test_help_documents_the_table_and_smoothing():
+    done = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for text in ("LABEL=RUN", "--baseline", "--noise-runs", "--smooth", "ema:W", "window:N", "spread",
+                 "--markdown", "OUTPUT.csv", "exit code 2"):
+        assert text in done.stdout, text
