@@ -1,5 +1,5 @@
-"""Parity with the peers: train the same tiny GPT-NeoX, data and seed under our engine or a peer, on 4
-gloo ranks, and record the global mean loss of every optimizer step (docs/peers.md).
+"""Parity with the peers: train the same GPT-NeoX, data and seed under our engine or a peer on gloo
+ranks, and record the global mean loss of every optimizer step (docs/peers.md).
 
     .venv/bin/python bench/peers.py --peer deepspeed --preset zero3 --steps 5 --out /tmp/ds.json
     .venv/bin/python bench/peers.py --peer ours      --preset zero3 --steps 5 --out /tmp/ours.json
@@ -12,6 +12,10 @@ accelerator) and ``fsdp2`` (torch ``fully_shard``: a 1-D mesh of 4 for zero3, a 
 mesh for hsdp). Each run is fp32, AdamW (0.9, 0.95, eps 1e-8, weight decay 0.01 on matrices only),
 gradient clipping 1.0 and a constant learning rate 1e-3, for every requested accumulation count.
 
+The command line trains the parity shape (``Shape()``: 2 layers, hidden 64, 2 x 2 ranks). The pieces
+(``Shape``, ``run_config``, ``micro_batch``, the trainers) take any layout, model size and
+accumulation; bench/compare_peers.py times the same trainers on an emulated cluster.
+
 The script launches its own ranks (rendezvous through a FileStore in a private folder, so parallel
 runs never collide on a port); each rank writes its result before tearing down the process group and
 the launcher judges by those files (FIELD_NOTES: a teardown that hangs must not lose finished work).
@@ -21,7 +25,9 @@ DeepSpeed's first start JIT-compiles a shared-memory op, cached under ``TORCH_EX
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -29,9 +35,10 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -48,9 +55,6 @@ PEERS = ("ours", "deepspeed", "fsdp2")
 PRESETS = ("zero3", "hsdp")
 # (peer, preset) pairs that mean something: DeepSpeed has no hybrid sharding that matches hsdp.
 SUPPORTED = {("ours", "zero3"), ("ours", "hsdp"), ("deepspeed", "zero3"), ("fsdp2", "zero3"), ("fsdp2", "hsdp")}
-LAYOUT = (2, 2)                  # 2 simulated nodes x 2 ranks
-WORLD_SIZE = LAYOUT[0] * LAYOUT[1]
-VOCAB, SEQ, MICRO_BATCH = 384, 32, 2
 LR = 1e-3                        # constant: no schedule can differ between peers
 PG_TIMEOUT_S = 300
 DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "neox_topo" / "torch_extensions"
@@ -62,28 +66,72 @@ class PeerError(Exception):
 
 # ----------------------------------------------------------------------------------- the shared run
 
-def run_config(preset: str, accumulation: int) -> NeoXConfig:
-    """The one config every peer reads: tiny-cpu's optimizer, a small model, the 2 x 2 layout."""
-    overrides = ["num_layers=2", "hidden_size=64", "num_attention_heads=4", f"seq_length={SEQ}",
-                 f"train_micro_batch_size_per_gpu={MICRO_BATCH}", f"gradient_accumulation_steps={accumulation}",
-                 f"train_batch_size={MICRO_BATCH * accumulation * WORLD_SIZE}", "lr_decay_style=constant",
-                 "hidden_dropout=0.0", "attention_dropout=0.0", "gradient_clipping=1.0", "weight_decay=0.01"]
-    files = [REPO_ROOT / "configs" / "tiny-cpu.yml", REPO_ROOT / "configs" / "sim-2x2.yml",
-             REPO_ROOT / "configs" / f"{preset}.yml"]
-    return load_config(files, overrides, notices=[])
+@dataclass(frozen=True)
+class Shape:
+    """What every peer of one run shares: the layout, the model's size and the batch.
+
+    The defaults are the parity run of docs/peers.md (149,248 parameters on 2 x 2 ranks)."""
+    tiers: tuple = (2, 2)        # ranks per tier, slowest first: (nodes, ranks per node) or (nodes, gpus, gcds)
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    seq_length: int = 32
+    vocab: int = 384
+    micro_batch: int = 2         # sequences per rank per micro-step
+    accumulation: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return self.tiers[0]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return math.prod(self.tiers[1:])
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.tiers)
+
+    def with_accumulation(self, accumulation: int) -> "Shape":
+        return dataclasses.replace(self, accumulation=accumulation)
+
+    def describe(self) -> dict:
+        return {"tiers": list(self.tiers), "world_size": self.world_size, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "num_heads": self.num_heads, "seq_length": self.seq_length,
+                "vocab": self.vocab, "micro_batch": self.micro_batch, "accumulation": self.accumulation,
+                "global_batch": self.micro_batch * self.world_size * self.accumulation}
 
 
-def build_model(cfg: NeoXConfig) -> GPTNeoX:
+PARITY = Shape()  # what the command line (and tests/test_peers.py) trains
+
+
+def run_config(shape: Shape, preset: str, overrides: Sequence[str] = ()) -> NeoXConfig:
+    """The one config every peer reads: tiny-cpu's optimizer, the shape's model, layout and batch,
+    the preset file (configs/<preset>.yml), then ``overrides`` (``key=value``, as ``--set``)."""
+    s = shape
+    sizes = [f"num_layers={s.num_layers}", f"hidden_size={s.hidden_size}", f"num_attention_heads={s.num_heads}",
+             f"seq_length={s.seq_length}", f"train_micro_batch_size_per_gpu={s.micro_batch}",
+             f"gradient_accumulation_steps={s.accumulation}",
+             f"train_batch_size={s.micro_batch * s.accumulation * s.world_size}",
+             f"topology.simulate=[{', '.join(map(str, s.tiers))}]"]
+    fixed = ["lr_decay_style=constant", "hidden_dropout=0.0", "attention_dropout=0.0", "gradient_clipping=1.0",
+             "weight_decay=0.01"]
+    files = [REPO_ROOT / "configs" / "tiny-cpu.yml", REPO_ROOT / "configs" / f"{preset}.yml"]
+    return load_config(files, [*sizes, *fixed, *overrides], notices=[])
+
+
+def build_model(cfg: NeoXConfig, shape: Shape) -> GPTNeoX:
     """Seeded identically on every rank, so all ranks (and all peers) start from the same weights."""
     torch.manual_seed(cfg.data.seed)
-    return GPTNeoX(cfg.model, VOCAB)
+    return GPTNeoX(cfg.model, shape.vocab)
 
 
-def micro_batch(cfg: NeoXConfig, step: int, micro: int, rank: int) -> dict:
+def micro_batch(cfg: NeoXConfig, shape: Shape, step: int, micro: int, rank: int) -> dict:
     """Rank ``rank``'s slice of the global batch of (step, micro): the same tokens for every peer."""
     gen = torch.Generator().manual_seed(cfg.data.seed * 1_000_003 + step * 1_000 + micro)
-    tokens = torch.randint(0, VOCAB, (MICRO_BATCH * WORLD_SIZE, SEQ + 1), generator=gen)
-    mine = tokens[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]
+    mb = shape.micro_batch
+    tokens = torch.randint(0, shape.vocab, (mb * shape.world_size, shape.seq_length + 1), generator=gen)
+    mine = tokens[rank * mb:(rank + 1) * mb]
     return {"tokens": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()}
 
 
@@ -95,20 +143,19 @@ def global_mean(local_losses: list[float]) -> float:
 
 
 @torch.no_grad()
-def untrained_losses(cfg: NeoXConfig, steps: int) -> list[float]:
+def untrained_losses(cfg: NeoXConfig, shape: Shape, steps: int) -> list[float]:
     """Per-step global mean loss of the initial weights on the same batches (one process): the
     trajectory a peer that never updated its weights would report. Parity within the tolerance means
     something only when the trained losses are far from these."""
-    model = build_model(cfg)
-    accumulation = cfg.training.gradient_accumulation_steps
+    model = build_model(cfg, shape)
     losses = []
     for step in range(steps):
         per_micro = []
-        for m in range(accumulation):
-            parts = [micro_batch(cfg, step, m, r) for r in range(WORLD_SIZE)]
+        for m in range(shape.accumulation):
+            parts = [micro_batch(cfg, shape, step, m, r) for r in range(shape.world_size)]
             batch = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
             per_micro.append(lm_loss(model, batch).item())
-        losses.append(sum(per_micro) / accumulation)
+        losses.append(sum(per_micro) / shape.accumulation)
     return losses
 
 
@@ -120,25 +167,49 @@ def scalar(value) -> float:
 
 
 # ----------------------------------------------------------------------------------------- the peers
+#
+# A trainer is one peer built on this rank: ``step(i)`` runs optimizer step i (every micro-batch of
+# it) and returns this rank's micro-batch losses and the pre-clip global gradient norm. The loop
+# around it (train() here, the timed loop of bench/compare_peers.py) is the caller's, so every peer
+# is written once and timed alike.
 
-def train_ours(cfg: NeoXConfig, rank: int, steps: int) -> dict:
-    from megatron.zero_topo.setup import engine_from_config
-    engine = engine_from_config(cfg, build_model(cfg), lm_loss, WORLD_SIZE)
-    losses, norms = [], []
-    for step in range(steps):
-        local = [engine.forward_backward(micro_batch(cfg, step, m, rank)).item()
-                 for m in range(cfg.training.gradient_accumulation_steps)]
-        norms.append(scalar(engine.optimizer_step(LR)["grad_norm"]))
-        losses.append(global_mean(local))
-    return {"losses": losses, "grad_norms": norms, "factors": list(engine.groups.factors.as_tuple())}
+class OursTrainer:
+    peer = "ours"
+
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int):
+        from megatron.zero_topo.setup import engine_from_config
+        self.cfg, self.shape, self.rank = cfg, shape, rank
+        self.engine = engine_from_config(cfg, build_model(cfg, shape), lm_loss, shape.world_size)
+        self.ledger = self.engine.ledger  # what this rank sent, by (phase, tier)
+
+    def step(self, step: int) -> tuple[list[float], float]:
+        local = [self.engine.forward_backward(micro_batch(self.cfg, self.shape, step, m, self.rank)).item()
+                 for m in range(self.shape.accumulation)]
+        return local, scalar(self.engine.optimizer_step(LR)["grad_norm"])
+
+    def info(self) -> dict:
+        return {"factors": list(self.engine.groups.factors.as_tuple())}
+
+    def close(self) -> None:
+        pass
 
 
-def deepspeed_config(cfg: NeoXConfig) -> dict:
+def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weights: bool = False,
+                     quantized_gradients: bool = False) -> dict:
+    """ZeRO-3 as DeepSpeed 0.19.8 runs it by default, plus hpZ (``zero_hpz_partition_size``) and
+    qwZ / qgZ when asked: the ZeRO++ knobs."""
     opt = cfg.optimizer
+    zero = {"stage": 3}
+    if hpz > 1:
+        zero["zero_hpz_partition_size"] = hpz
+    if quantized_weights:
+        zero["zero_quantized_weights"] = True
+    if quantized_gradients:
+        zero["zero_quantized_gradients"] = True
     return {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
-        "zero_optimization": {"stage": 3},
+        "train_micro_batch_size_per_gpu": shape.micro_batch,
+        "gradient_accumulation_steps": shape.accumulation,
+        "zero_optimization": zero,
         # torch_adam: torch.optim.AdamW over DeepSpeed's fp32 partitions (no cpu_adam op to compile);
         # per-group weight decay comes from the parameter groups passed as model_parameters.
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(opt.betas), "eps": opt.eps,
@@ -151,59 +222,92 @@ def deepspeed_config(cfg: NeoXConfig) -> dict:
     }
 
 
-def train_deepspeed(cfg: NeoXConfig, rank: int, steps: int) -> dict:
-    import deepspeed
-    model = build_model(cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(cfg),
-                                           model_parameters=adamw_param_groups(model, cfg.optimizer.weight_decay))
-    losses, norms = [], []
-    for step in range(steps):
+class DeepSpeedTrainer:
+    peer = "deepspeed"
+
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, **zero_plus_plus):
+        import deepspeed
+        self.cfg, self.shape, self.rank = cfg, shape, rank
+        model = build_model(cfg, shape)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, config=deepspeed_config(cfg, shape, **zero_plus_plus),
+            model_parameters=adamw_param_groups(model, cfg.optimizer.weight_decay))
+        self.version = deepspeed.__version__
+
+    def step(self, step: int) -> tuple[list[float], float]:
         local = []
-        for m in range(cfg.training.gradient_accumulation_steps):
-            loss = lm_loss(engine, micro_batch(cfg, step, m, rank))
-            engine.backward(loss)  # DeepSpeed divides by the accumulation count itself
-            engine.step()          # an optimizer step only at the accumulation boundary
+        for m in range(self.shape.accumulation):
+            loss = lm_loss(self.engine, micro_batch(self.cfg, self.shape, step, m, self.rank))
+            self.engine.backward(loss)  # DeepSpeed divides by the accumulation count itself
+            self.engine.step()          # an optimizer step only at the accumulation boundary
             local.append(loss.item())
-        norms.append(scalar(engine.get_global_grad_norm()))
-        losses.append(global_mean(local))
-    engine.destroy()
-    return {"losses": losses, "grad_norms": norms, "deepspeed": deepspeed.__version__}
+        return local, scalar(self.engine.get_global_grad_norm())
+
+    def info(self) -> dict:
+        return {"deepspeed": self.version}
+
+    def close(self) -> None:
+        self.engine.destroy()
 
 
-def train_fsdp2(cfg: NeoXConfig, rank: int, steps: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    layout = ShardLayout.from_config(cfg)  # the mesh mirrors our sharding: os ranks shard, N/os replicate
-    shard = layout.factors.os
-    replicas = layout.world_size // shard
-    if replicas > 1:
-        mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
-    model = build_model(cfg)
-    for unit in model.units():  # the same units our engine shards, then the root
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(adamw_param_groups(model, opt.weight_decay), lr=LR, betas=tuple(opt.betas),
-                                  eps=opt.eps, foreach=False)
-    accumulation = cfg.training.gradient_accumulation_steps
-    losses, norms = [], []
-    for step in range(steps):
+class FSDP2Trainer:
+    peer = "fsdp2"
+
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        self.cfg, self.shape, self.rank = cfg, shape, rank
+        layout = ShardLayout.from_config(cfg)  # the mesh mirrors our sharding: os ranks shard, N/os replicate
+        shard = layout.factors.os
+        replicas = layout.world_size // shard
+        if replicas > 1:  # row-major: the shard groups are consecutive ranks, i.e. one node each
+            self.mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            self.mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
+        self.model = build_model(cfg, shape)
+        for unit in self.model.units():  # the same units our engine shards, then the root
+            fully_shard(unit, mesh=self.mesh)
+        fully_shard(self.model, mesh=self.mesh)
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(self.model, opt.weight_decay), lr=LR,
+                                           betas=tuple(opt.betas), eps=opt.eps, foreach=False)
+
+    def step(self, step: int) -> tuple[list[float], float]:
+        accumulation = self.shape.accumulation
         local = []
         for m in range(accumulation):
-            loss = lm_loss(model, micro_batch(cfg, step, m, rank))
+            loss = lm_loss(self.model, micro_batch(self.cfg, self.shape, step, m, self.rank))
             (loss / accumulation).backward()
             local.append(loss.item())
-        norms.append(scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), opt.gradient_clipping)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        norm = scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.gradient_clipping))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return local, norm
+
+    def info(self) -> dict:
+        return {"mesh": list(self.mesh.shape)}
+
+    def close(self) -> None:
+        pass
+
+
+TRAINERS = {"ours": OursTrainer, "deepspeed": DeepSpeedTrainer, "fsdp2": FSDP2Trainer}
+
+
+def make_trainer(peer: str, cfg: NeoXConfig, shape: Shape, rank: int, **options):
+    """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``; none for the others
+    (ours reads everything from ``cfg``)."""
+    return TRAINERS[peer](cfg, shape, rank, **options)
+
+
+def train(trainer, steps: int) -> dict:
+    """The parity loop: every step's global mean loss and pre-clip global gradient norm."""
+    losses, norms = [], []
+    for step in range(steps):
+        local, norm = trainer.step(step)
         losses.append(global_mean(local))
-    return {"losses": losses, "grad_norms": norms, "mesh": list(mesh.shape)}
-
-
-TRAINERS: dict[str, Callable[[NeoXConfig, int, int], dict]] = {
-    "ours": train_ours, "deepspeed": train_deepspeed, "fsdp2": train_fsdp2}
+        norms.append(norm)
+    return {"losses": losses, "grad_norms": norms, **trainer.info()}
 
 
 # --------------------------------------------------------------------------------- one rank (child)
@@ -214,15 +318,18 @@ def rank_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{workdir / 'store'}", rank=rank,
-                                world_size=WORLD_SIZE, timeout=timedelta(seconds=PG_TIMEOUT_S))
+                                world_size=PARITY.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
         runs = {}
         for accumulation in args.accumulation:
             start = time.perf_counter()
-            cfg = run_config(args.preset, accumulation)
-            result = TRAINERS[args.peer](cfg, rank, args.steps)
+            shape = PARITY.with_accumulation(accumulation)
+            cfg = run_config(shape, args.preset)
+            trainer = make_trainer(args.peer, cfg, shape, rank)
+            result = train(trainer, args.steps)
+            trainer.close()
             result["seconds"] = round(time.perf_counter() - start, 2)
             if rank == 0:
-                result["untrained_losses"] = untrained_losses(cfg, args.steps)
+                result["untrained_losses"] = untrained_losses(cfg, shape, args.steps)
             runs[str(accumulation)] = result
         payload = {"ok": True, "runs": runs}
     except BaseException:  # noqa: BLE001 - everything a rank raises goes to the launcher
@@ -242,26 +349,27 @@ def rank_main(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------- launcher
 
 def rank_env(rank: int) -> dict:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+    world = PARITY.world_size
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     return env
 
 
 def launch(args: argparse.Namespace) -> dict:
-    """Start WORLD_SIZE ranks of this script, wait for their result files, return rank 0's runs."""
+    """Start PARITY.world_size ranks of this script, wait for their result files, return rank 0's runs."""
     workdir = Path(tempfile.mkdtemp(prefix=f"peers_{args.peer}_{args.preset}_"))
     rank_args = ["--peer", args.peer, "--preset", args.preset, "--steps", str(args.steps),
                  "--accumulation", *map(str, args.accumulation)]
     procs, logs = [], []
-    for rank in range(WORLD_SIZE):
+    for rank in range(PARITY.world_size):
         log = open(workdir / f"rank{rank}.log", "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), *rank_args, "--rank", str(rank),
                "--workdir", str(workdir)]
         procs.append(subprocess.Popen(cmd, env=rank_env(rank), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT))
         logs.append(log)
-    paths = [workdir / f"rank{r}.json" for r in range(WORLD_SIZE)]
+    paths = [workdir / f"rank{r}.json" for r in range(PARITY.world_size)]
     deadline = time.monotonic() + args.timeout
     try:
         while time.monotonic() < deadline and not all(p.exists() for p in paths):
@@ -368,9 +476,9 @@ def main(argv=None) -> int:
         if args.rank is not None:
             rank_main(args)  # does not return
         runs = launch(args)
-        result = {"peer": args.peer, "preset": args.preset, "world_size": WORLD_SIZE, "layout": list(LAYOUT),
-                  "steps": args.steps, "lr": LR, "vocab": VOCAB, "seq_length": SEQ, "micro_batch": MICRO_BATCH,
-                  "runs": runs}
+        result = {"peer": args.peer, "preset": args.preset, "world_size": PARITY.world_size,
+                  "layout": list(PARITY.tiers), "steps": args.steps, "lr": LR, "vocab": PARITY.vocab,
+                  "seq_length": PARITY.seq_length, "micro_batch": PARITY.micro_batch, "runs": runs}
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
         print(describe(result))

@@ -1,0 +1,236 @@
+"""What bench/compare_peers.py makes of its launches: a row per launch from the ranks' result files,
+the ratios to DeepSpeed ZeRO-3, the markdown table, the issue's goals and the bar chart.
+
+Pure functions of plain dicts (no torch, no processes), so tests/test_compare_peers.py checks them on
+results written by hand. A row's fields are documented in docs/benchmarks.md ("The results JSON").
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+BASELINE = "ds_zero3"
+MB = 1e6
+# The issue's goals, at accumulation 4 on 2 x 4: zero_topo >= 2x DS ZeRO-3's speed, faster than DS
+# hpZ, at most a quarter of ZeRO-3's inter-node bytes.
+GOAL_LAYOUT, GOAL_ACCUMULATION = "2x4", 4
+GOAL_SPEEDUP, GOAL_BYTES_FRACTION = 2.0, 0.25
+
+
+class ReportError(ValueError):
+    """An unreadable or malformed results file (one line)."""
+
+
+def load(path: str | Path) -> dict:
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ReportError(f"cannot read results {path}: {err}") from None
+    if not isinstance(results, dict) or "rows" not in results or "meta" not in results:
+        raise ReportError(f"{path} is not a compare_peers results file (no 'meta' and 'rows')")
+    return results
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ rows from ranks
+
+def summarize_ranks(ranks: list[dict], tool: Optional[dict], exit_code: int, steps: int, warmup: int,
+                    world_size: int) -> dict:
+    """One launch's row fields from every rank's result file and the emulator's report.
+
+    Step time: rank 0's timed steps (warmup excluded), median. Interface bytes per step: per node,
+    (timed window - bookkeeping window) / steps, summed over nodes (what each node sent is what the
+    other received). Ledger: every rank's inter-node bytes in the window, summed, / steps."""
+    failed = [r for r in ranks if not r.get("ok")]
+    if failed or len(ranks) != world_size or exit_code != 0:
+        if failed:
+            error = f"rank {failed[0]['rank']}: {failed[0]['error']}"
+        else:
+            missing = sorted(set(range(world_size)) - {r["rank"] for r in ranks})
+            error = f"launch exited {exit_code}; no result from rank(s) {missing or 'none'}"
+        return {"ok": False, "error": one_line(error)}
+    by_rank = sorted(ranks, key=lambda r: r["rank"])
+    first = by_rank[0]
+    timed = first["step_times_s"][warmup:]
+    nodes = [r for r in by_rank if r.get("interface_window") is not None]
+    per_node = [(r["interface_window"]["tx_bytes"] - r["interface_bookkeeping"]["tx_bytes"]) / steps for r in nodes]
+    bookkeeping = sum(r["interface_bookkeeping"]["tx_bytes"] for r in nodes) / steps
+    row = {"ok": True, "error": None, "median_step_s": statistics.median(timed),
+           "step_times_s": first["step_times_s"], "losses": first["losses"], "final_loss": first["losses"][-1],
+           "grad_norms": first["grad_norms"], "info": first.get("info", {}),
+           "iface_bytes_per_step": sum(per_node) if nodes else None,
+           "iface_node_tx_per_step": per_node if nodes else None,
+           "bookkeeping_bytes_per_step": bookkeeping if nodes else None,
+           "peak_rss_mb": max(r["maxrss_kb"] for r in by_rank) / 1024,
+           "launch_iface_bytes": tool.get("inter_node_tx_bytes") if tool else None,
+           "rate_bits_per_s": tool.get("rate_bits_per_s") if tool else None}
+    ledgers = [r["ledger_inter_node_window"] for r in by_rank if r.get("ledger_inter_node_window") is not None]
+    if ledgers:
+        phases = {p: sum(ledger.get(p, 0) for ledger in ledgers) / steps for p in ledgers[0]}
+        row["ledger_phases_per_step"] = {p: v for p, v in phases.items() if v}
+        row["ledger_bytes_per_step"] = sum(phases.values())
+    else:
+        row["ledger_phases_per_step"], row["ledger_bytes_per_step"] = None, None
+    row["iface_over_ledger"] = ratio(row["iface_bytes_per_step"], row["ledger_bytes_per_step"])
+    # The time the busiest node link needs for one step's bytes: near the step time means link-bound.
+    rate = row["rate_bits_per_s"]
+    row["link_s_per_step"] = max(per_node) * 8 / rate if nodes and rate else None
+    return row
+
+
+def ratio(a, b) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's step time and inter-node bytes over DS ZeRO-3's of the same layout and accumulation."""
+    base = {(r["layout"], r["accumulation"]): r for r in rows if r["config"] == BASELINE and r["ok"]}
+    for row in rows:
+        ref = base.get((row["layout"], row["accumulation"]))
+        ok = row["ok"] and ref is not None
+        row["time_vs_ds_zero3"] = ratio(row["median_step_s"], ref["median_step_s"]) if ok else None
+        row["bytes_vs_ds_zero3"] = ratio(row["iface_bytes_per_step"], ref["iface_bytes_per_step"]) if ok else None
+
+
+def progress_line(row: dict) -> str:
+    name = f"{row['label']}{overlap_tag(row)} {row['layout']} acc {row['accumulation']}"
+    if not row["ok"]:
+        return f"{name}: FAILED ({row['launch_s']:.0f} s): {row['error']}"
+    vs = f", {row['time_vs_ds_zero3']:.2f}x DS ZeRO-3's time" if row.get("time_vs_ds_zero3") else ""
+    iface = row["iface_bytes_per_step"]
+    return (f"{name}: median step {row['median_step_s']:.3f} s{vs}, loss {row['final_loss']:.4f}, "
+            f"{fmt_mb(iface)} MB/step inter-node, peak {row['peak_rss_mb']:.0f} MB/rank ({row['launch_s']:.0f} s)")
+
+
+def overlap_tag(row: dict) -> str:
+    return f" [overlap {row['overlap']}]" if row.get("overlap") not in (None, "default") else ""
+
+
+# ------------------------------------------------------------------------------------------ markdown
+
+def fmt_mb(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / MB:.2f}"
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def groups(rows: list[dict]) -> list[tuple[str, int]]:
+    """(layout, accumulation) in the order the rows ran."""
+    seen = []
+    for row in rows:
+        if (row["layout"], row["accumulation"]) not in seen:
+            seen.append((row["layout"], row["accumulation"]))
+    return seen
+
+
+COLUMNS = ("configuration", "overlap", "median step (s)", "time / DS ZeRO-3", "loss after K", "inter-node MB/step",
+           "ledger MB/step", "interfaces / ledger", "link busy", "peak RSS MB/rank")
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        overlap = r.get("overlap") or "-"
+        if overlap == "default":
+            overlap = "-"
+        if not r["ok"]:
+            out.append([r["label"], overlap, f"failed: {r['error']}"] + [""] * (len(COLUMNS) - 3))
+            continue
+        busy = ratio(r.get("link_s_per_step"), r["median_step_s"])
+        out.append([r["label"], overlap, f"{r['median_step_s']:.3f}", fmt(r.get("time_vs_ds_zero3"), ".2f"),
+                    f"{r['final_loss']:.4f}", fmt_mb(r["iface_bytes_per_step"]), fmt_mb(r["ledger_bytes_per_step"]),
+                    fmt(r["iface_over_ledger"], ".2f"), "-" if busy is None else f"{100 * busy:.0f}%",
+                    f"{r['peak_rss_mb']:.0f}"])
+    return out
+
+
+def markdown(results: dict) -> str:
+    meta, rows = results["meta"], results["rows"]
+    lines = [f"Rate {meta['rate']} per node link; {meta['steps']} timed steps after {meta['warmup']} warmup; "
+             f"loss after K = {meta['steps'] + meta['warmup']} steps."]
+    for layout, accumulation in groups(rows):
+        lines += ["", f"**{layout}, accumulation {accumulation}**", "",
+                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(
+            [r for r in rows if (r["layout"], r["accumulation"]) == (layout, accumulation)])]
+    verdicts = goals(rows)
+    if verdicts:
+        lines += ["", f"Goals (accumulation {GOAL_ACCUMULATION} on {GOAL_LAYOUT}):", ""]
+        lines += [f"- {v['row']}: {v['goal']}: measured {v['measured']} -> {'met' if v['met'] else 'NOT met'}"
+                  for v in verdicts]
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """The issue's three goals for every zero_topo row at accumulation 4 on 2 x 4 (each overlap and
+    quantization variant); empty when that group or its DeepSpeed rows did not run."""
+    group = [r for r in rows if r["ok"] and (r["layout"], r["accumulation"]) == (GOAL_LAYOUT, GOAL_ACCUMULATION)]
+    ds = next((r for r in group if r["config"] == BASELINE), None)
+    hpz = next((r for r in group if r["config"] == "ds_hpz"), None)
+    out = []
+    for r in group:
+        if not r["config"].startswith("ours_zero_topo") or ds is None:
+            continue
+        name = r["label"] + overlap_tag(r)
+        speedup = ds["median_step_s"] / r["median_step_s"]
+        out.append({"row": name, "goal": f"at least {GOAL_SPEEDUP:g}x DS ZeRO-3's speed",
+                    "measured": f"{speedup:.2f}x", "met": speedup >= GOAL_SPEEDUP})
+        if hpz is not None:
+            out.append({"row": name, "goal": "faster than DS hpZ",
+                        "measured": f"{r['median_step_s']:.3f} s vs {hpz['median_step_s']:.3f} s",
+                        "met": r["median_step_s"] < hpz["median_step_s"]})
+        fraction = ratio(r["iface_bytes_per_step"], ds["iface_bytes_per_step"])
+        if fraction is not None:
+            out.append({"row": name, "goal": f"at most {GOAL_BYTES_FRACTION:g} of DS ZeRO-3's inter-node bytes",
+                        "measured": f"{fraction:.3f}", "met": fraction <= GOAL_BYTES_FRACTION})
+    return out
+
+
+# ------------------------------------------------------------------------------------------- chart
+
+def bar_chart(results: dict, path: str | Path) -> None:
+    """Step time / DS ZeRO-3's per configuration, one cluster of bars per layout x accumulation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    series = []  # (config, overlap) in the order they ran
+    for r in rows:
+        key = (r["config"], r.get("overlap"))
+        if key not in series:
+            series.append(key)
+    clusters = groups(rows)
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(14, 7))
+    cmap = plt.get_cmap("tab20")
+    for i, (config, overlap) in enumerate(series):
+        xs, heights = [], []
+        for j, (layout, accumulation) in enumerate(clusters):
+            row = next((r for r in rows if (r["config"], r.get("overlap"), r["layout"], r["accumulation"])
+                        == (config, overlap, layout, accumulation)), None)
+            if row is not None and row.get("time_vs_ds_zero3") is not None:
+                xs.append(j + (i - (len(series) - 1) / 2) * width)
+                heights.append(row["time_vs_ds_zero3"])
+        label = next(r["label"] for r in rows if r["config"] == config) + overlap_tag({"overlap": overlap})
+        ax.bar(xs, heights, width=width, label=label, color=cmap(i % 20))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1 / GOAL_SPEEDUP, color="gray", linewidth=0.8, linestyle="--",
+               label=f"{GOAL_SPEEDUP:g}x faster than DS ZeRO-3")
+    ax.set_xticks(range(len(clusters)))
+    ax.set_xticklabels([f"{layout}, accumulation {acc}" for layout, acc in clusters])
+    ax.set_ylabel("median step time / DeepSpeed ZeRO-3's (lower is faster)")
+    ax.set_title(f"Emulated 2-node cluster, {results['meta']['rate']} per node link")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,260 @@
+"""bench/compare_peers.py and bench/compare_report.py (docs/benchmarks.md).
+
+Fast: the row, ratio, table, goal and chart logic on rank files and results written here with values
+worked out by hand, and the argument errors. Slow (`-m slow`, emulated cluster: root + iproute2, and
+deepspeed for its rows): parity of our zero3 with DeepSpeed ZeRO-3 and of our hsdp with FSDP2 HSDP on
+2 x 2 rate-limited ranks, and a smoke run of the benchmark itself.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import compare_peers  # noqa: E402
+import compare_report as report  # noqa: E402
+import peers  # noqa: E402
+
+SCRIPT = REPO / "bench" / "compare_peers.py"
+
+
+# --- rows from rank files -------------------------------------------------------------------------
+
+def rank_file(rank, local_rank, times, tx=None, bookkeeping_tx=None, ledger=None, rss_kb=100_000):
+    out = {"ok": True, "rank": rank, "local_rank": local_rank, "step_times_s": times,
+           "losses": [7.0, 6.5, 6.25, 6.0], "grad_norms": [1.0, 0.9, 0.8], "info": {"factors": [2, 2, 4]},
+           "interface_window": None, "interface_bookkeeping": None, "ledger_inter_node_window": ledger,
+           "maxrss_kb": rss_kb}
+    if tx is not None:
+        out["interface_window"] = {"tx_bytes": tx, "rx_bytes": 0}
+        out["interface_bookkeeping"] = {"tx_bytes": bookkeeping_tx, "rx_bytes": 0}
+    return out
+
+
+def two_by_two_ranks(ledger=True):
+    """2 nodes x 2 ranks, 1 warmup + 3 timed steps. Node 0 sent 1,000 B in the window (100 of them
+    bookkeeping), node 1 1,600 B (100): per step (900 + 1,500) / 3 = 800 B, busiest node 500 B."""
+    led = (lambda b: {"grad_reduce": b, "refresh": 0, "control": 10}) if ledger else (lambda b: None)
+    return [rank_file(0, 0, [10.0, 1.0, 3.0, 2.0], tx=1000, bookkeeping_tx=100, ledger=led(140)),
+            rank_file(1, 1, [9.0, 9.0, 9.0, 9.0], ledger=led(140), rss_kb=300_000),
+            rank_file(2, 0, [9.0, 9.0, 9.0, 9.0], tx=1600, bookkeeping_tx=100, ledger=led(140)),
+            rank_file(3, 1, [9.0, 9.0, 9.0, 9.0], ledger=led(140))]
+
+
+def test_a_row_from_rank_files():
+    tool = {"inter_node_tx_bytes": 5000, "rate_bits_per_s": 8000.0}
+    row = report.summarize_ranks(two_by_two_ranks(), tool, 0, steps=3, warmup=1, world_size=4)
+    assert row["ok"] and row["error"] is None
+    assert row["median_step_s"] == 2.0                 # rank 0's [1, 3, 2]; the 10 s warmup is out
+    assert row["final_loss"] == 6.0
+    assert row["iface_node_tx_per_step"] == [300.0, 500.0]
+    assert row["iface_bytes_per_step"] == 800.0
+    assert row["bookkeeping_bytes_per_step"] == pytest.approx(200 / 3)
+    assert row["ledger_bytes_per_step"] == 200.0       # 4 ranks x (140 + 10) / 3
+    assert row["ledger_phases_per_step"] == {"grad_reduce": pytest.approx(560 / 3), "control": pytest.approx(40 / 3)}
+    assert row["iface_over_ledger"] == 4.0
+    assert row["link_s_per_step"] == 0.5               # 500 B x 8 / 8,000 bit/s
+    assert row["peak_rss_mb"] == pytest.approx(300_000 / 1024)
+    assert row["launch_iface_bytes"] == 5000
+
+
+def test_a_peer_without_a_ledger_has_no_ledger_columns():
+    row = report.summarize_ranks(two_by_two_ranks(ledger=False), None, 0, steps=3, warmup=1, world_size=4)
+    assert row["ledger_bytes_per_step"] is None and row["iface_over_ledger"] is None
+    assert row["link_s_per_step"] is None and row["iface_bytes_per_step"] == 800.0
+
+
+def test_a_failed_launch_is_a_one_line_error():
+    ranks = two_by_two_ranks()[:2] + [{"ok": False, "rank": 2, "error": "ValueError: This op had not\nbeen"}]
+    row = report.summarize_ranks(ranks, None, 1, steps=3, warmup=1, world_size=4)
+    assert row == {"ok": False, "error": "rank 2: ValueError: This op had not been"}
+    row = report.summarize_ranks(two_by_two_ranks()[:3], None, 124, steps=3, warmup=1, world_size=4)
+    assert row["error"] == "launch exited 124; no result from rank(s) [3]"
+
+
+# --- ratios, table, goals, chart --------------------------------------------------------------------
+
+def row(config, label, median, nbytes, layout="2x4", accumulation=4, overlap=None, ok=True, error=None,
+        ledger=None):
+    return {"config": config, "label": label, "peer": config.split("_")[0], "layout": layout,
+            "accumulation": accumulation, "overlap": overlap, "ok": ok, "error": error, "launch_s": 30.0,
+            "median_step_s": median, "final_loss": 7.5, "iface_bytes_per_step": nbytes,
+            "ledger_bytes_per_step": ledger, "iface_over_ledger": report.ratio(nbytes, ledger),
+            "link_s_per_step": None if median is None else median / 2, "peak_rss_mb": 300.0}
+
+
+def results():
+    rows = [row("ds_zero3", "DeepSpeed ZeRO-3", 8.0, 400e6),
+            row("ds_hpz", "DeepSpeed ZeRO-3 + hpZ", 6.0, 300e6),
+            row("ds_zeropp", "DeepSpeed ZeRO++", None, None, ok=False, error="rank 0: ValueError: no CPU op"),
+            row("ours_zero_topo", "ours zero_topo", 2.0, 80e6, overlap="on", ledger=50e6),
+            row("ours_zero_topo", "ours zero_topo", 5.0, 120e6, overlap="off", ledger=50e6),
+            row("ds_zero3", "DeepSpeed ZeRO-3", 4.0, 100e6, layout="2x2", accumulation=1),
+            row("ours_zero_topo", "ours zero_topo", 1.0, 50e6, layout="2x2", accumulation=1, overlap="on"),
+            row("ours_hsdp", "ours hsdp", 3.0, 10e6, layout="2x2", accumulation=4, overlap="on")]
+    report.add_ratios(rows)
+    return {"meta": {"rate": "300mbit", "steps": 3, "warmup": 1}, "rows": rows}
+
+
+def test_ratios_are_to_ds_zero3_of_the_same_layout_and_accumulation():
+    rows = results()["rows"]
+    assert [r["time_vs_ds_zero3"] for r in rows] == [1.0, 0.75, None, 0.25, 0.625, 1.0, 0.25, None]
+    assert [r["bytes_vs_ds_zero3"] for r in rows] == [1.0, 0.75, None, 0.2, 0.3, 1.0, 0.5, None]
+
+
+def test_markdown_table():
+    text = report.markdown(results())
+    assert text.splitlines()[0] == ("Rate 300mbit per node link; 3 timed steps after 1 warmup; "
+                                    "loss after K = 4 steps.")
+    assert "**2x4, accumulation 4**" in text and "**2x2, accumulation 1**" in text
+    assert "| ours zero_topo | on | 2.000 | 0.25 | 7.5000 | 80.00 | 50.00 | 1.60 | 50% | 300 |" in text
+    assert "| DeepSpeed ZeRO-3 | - | 8.000 | 1.00 | 7.5000 | 400.00 | - | - | 50% | 300 |" in text
+    assert "| ours hsdp | on | 3.000 | - | 7.5000 | 10.00 | - | - | 50% | 300 |" in text  # no baseline ran
+    assert "| DeepSpeed ZeRO++ | - | failed: rank 0: ValueError: no CPU op |" in text
+
+
+def test_goals():
+    verdicts = [(v["row"], v["measured"], v["met"]) for v in report.goals(results()["rows"])]
+    assert verdicts == [
+        ("ours zero_topo [overlap on]", "4.00x", True),
+        ("ours zero_topo [overlap on]", "2.000 s vs 6.000 s", True),
+        ("ours zero_topo [overlap on]", "0.200", True),
+        ("ours zero_topo [overlap off]", "1.60x", False),
+        ("ours zero_topo [overlap off]", "5.000 s vs 6.000 s", True),
+        ("ours zero_topo [overlap off]", "0.300", False)]
+    assert "- ours zero_topo [overlap off]: at least 2x DS ZeRO-3's speed: measured 1.60x -> NOT met" in \
+        report.markdown(results())
+
+
+def test_bar_chart_is_a_png(tmp_path):
+    path = tmp_path / "chart.png"
+    report.bar_chart(results(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_from_json_prints_the_table_and_draws(tmp_path, capsys):
+    data, png = tmp_path / "r.json", tmp_path / "r.png"
+    data.write_text(json.dumps(results()))
+    assert compare_peers.main(["--from-json", str(data), "--png", str(png), "--markdown"]) == 1  # a row failed
+    assert "| ours zero_topo | off | 5.000 | 0.62 |" in capsys.readouterr().out
+    assert png.exists()
+
+
+# --- the plan and the arguments -----------------------------------------------------------------------
+
+def test_the_plan_runs_ds_zero3_first_and_overlap_twice_for_ours_only():
+    args = compare_peers.parse_args(["--only", "ours_hsdp", "fsdp2", "ds_zero3", "--layouts", "2x2",
+                                     "--accumulation", "1", "4"])
+    runs = [(c.key, layout, acc, overlap) for c, layout, acc, overlap in compare_peers.plan(args)]
+    assert runs == [("ds_zero3", "2x2", 1, "default"), ("fsdp2", "2x2", 1, "default"),
+                    ("ours_hsdp", "2x2", 1, "off"), ("ours_hsdp", "2x2", 1, "on"),
+                    ("ds_zero3", "2x2", 4, "default"), ("fsdp2", "2x2", 4, "default"),
+                    ("ours_hsdp", "2x2", 4, "off"), ("ours_hsdp", "2x2", 4, "on")]
+    args = compare_peers.parse_args(["--layouts", "2x2", "--accumulation", "1", "--overlap", "on"])
+    default = [c.key for c, *_ in compare_peers.plan(args)]
+    assert "ds_zeropp" not in default and len(default) == len(compare_peers.CONFIGS) - 1
+
+
+def test_shapes_share_the_global_batch():
+    for layout, world, micro in (("2x4", 8, 1), ("2x2", 4, 2)):
+        shape = compare_peers.bench_shape("bench", layout, 4)
+        assert (shape.world_size, shape.micro_batch, shape.describe()["global_batch"]) == (world, micro, 32)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1: must be non-negative"),
+    (["--only", "ds_zero9"], "--only ds_zero9: unknown configuration"),
+    (["--layouts", "3x3"], "--layouts 3x3: unknown layout"),
+    (["--accumulation", "0"], "every count must be at least 1"),
+    (["--rate", "fast"], "--rate 'fast': expected a tc rate"),
+    (["--from-json", "/nonexistent/r.json"], "cannot read results /nonexistent/r.json"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    assert compare_peers.main([*argv, "--png", ""]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_without_root_one_line_and_exit_69(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert compare_peers.main(["--only", "ds_zero3", "--png", ""]) == 69
+    assert capsys.readouterr().err == ("compare_peers: cannot emulate a cluster here: needs root "
+                                       "(network namespaces, veth, tc); run it as root\n")
+
+
+# --- on the emulated cluster (slow) ---------------------------------------------------------------------
+
+LOSS_TOL = 1e-4
+MIN_TRAINING_EFFECT = 20 * LOSS_TOL  # as tests/test_peers.py: "within 1e-4" must not pass for a frozen side
+
+
+@pytest.fixture(scope="module")
+def network():
+    from test_emulate_cluster import _network_problem
+    problem = _network_problem()
+    if problem:
+        pytest.skip(f"emulated cluster: {problem}")
+
+
+def bench(tmp_path, *argv, timeout=900) -> dict:
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(out), "--png", str(tmp_path / "c.png")],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def needs_deepspeed():
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install deepspeed: the `baselines` extra)")
+
+
+@pytest.mark.slow
+def test_parity_on_the_emulated_cluster(network, tmp_path):
+    """2 x 2 ranks over 1 Gbit/s links, fp32, the parity model, accumulation 1 and 2, overlap on and off:
+    every step's global mean loss of ours zero3 = DeepSpeed ZeRO-3's and ours hsdp = FSDP2 HSDP's."""
+    needs_deepspeed()
+    steps, warmup = 4, 1
+    res = bench(tmp_path, "--only", "ds_zero3", "ours_zero3", "fsdp2_hsdp", "ours_hsdp", "--layouts", "2x2",
+                "--accumulation", "1", "2", "--steps", str(steps), "--warmup", str(warmup), "--model", "tiny",
+                "--overlap", "both", "--rate", "1gbit")
+    rows = {(r["config"], r["accumulation"], r["overlap"]): r for r in res["rows"]}
+    for acc in (1, 2):
+        shape = compare_peers.bench_shape("tiny", "2x2", acc)
+        untrained = peers.untrained_losses(peers.run_config(shape, "zero3"), shape, steps + warmup)
+        for ours, theirs in (("ours_zero3", "ds_zero3"), ("ours_hsdp", "fsdp2_hsdp")):
+            b = rows[(theirs, acc, None)]["losses"]
+            for overlap in ("off", "on"):
+                a = rows[(ours, acc, overlap)]["losses"]
+                assert len(a) == len(b) == steps + warmup
+                assert max(abs(x - y) for x, y in zip(a, b)) <= LOSS_TOL, (ours, overlap, acc, a, theirs, b)
+                assert abs(a[0] - untrained[0]) <= LOSS_TOL
+                moved = max(abs(x - y) for x, y in zip(a[1:], untrained[1:]))
+                assert moved > MIN_TRAINING_EFFECT, f"{ours} acc {acc}: moved only {moved:.2e} from untrained"
+
+
+@pytest.mark.slow
+def test_smoke_two_configs_two_steps(network, tmp_path):
+    needs_deepspeed()
+    res = bench(tmp_path, "--only", "ds_zero3", "ours_zero_topo", "--layouts", "2x2", "--accumulation", "1",
+                "--steps", "2", "--warmup", "1", "--model", "tiny", "--overlap", "on")
+    assert res["meta"]["rate"] == "300mbit" and res["meta"]["model"]["parameters"] == 149_248
+    assert [(r["config"], r["overlap"]) for r in res["rows"]] == [("ds_zero3", None), ("ours_zero_topo", "on")]
+    for r in res["rows"]:
+        assert r["ok"], r["error"]
+        assert len(r["step_times_s"]) == 3 and r["median_step_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["iface_bytes_per_step"] > 0 and r["launch_iface_bytes"] > r["iface_bytes_per_step"]
+        assert all(n > 0 for n in r["iface_node_tx_per_step"])
+    ds, ours = res["rows"]
+    assert ds["time_vs_ds_zero3"] == 1.0 and ds["ledger_bytes_per_step"] is None
+    assert ours["ledger_bytes_per_step"] > 0 and ours["iface_over_ledger"] > 1.0
+    assert ours["info"]["factors"] == [2, 2, 4]
+    assert (tmp_path / "c.png").exists()
