@@ -5,8 +5,19 @@ standard algorithm in the group's sorted order (docs/engine.md, "Bytes charged")
 ring all-gather / reduce-scatter: (k-1)/k x B to the next member; all-reduce: twice that;
 all-to-all: B/k to each other member. Each send is charged to the tier between sender and receiver.
 A group of one rank issues nothing and records nothing (a local copy keeps the semantics).
+
+Reduce-scatter of CPU tensors (gloo) is ours, not gloo's: gloo's reduce-scatter all-reduces the
+whole buffer and keeps a slice, 2x the ring's bytes on the wire (FIELD_NOTES). A group whose members
+all talk over one tier (a node's ranks, the cross-node group of one rank per node) does one
+all-to-all and sums the k received chunks locally in fp32: the ring's bytes per tier, one
+collective, asynchronous. A group spanning tiers (ZeRO-3's world group on several nodes) runs the
+ring itself, k-1 send/receive steps to the next member, so only the ring's two node-boundary hops
+cross nodes; it completes before ``start_reduce_scatter`` returns. GPU tensors use the backend's own
+(NCCL/RCCL's is a ring).
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +40,7 @@ class Communicator:
         self.rank = groups.rank
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = torch.device(device)  # where small control buffers live (cuda under NCCL)
+        self._one_tier_groups: dict[tuple[int, ...], bool] = {}
 
     # -- charging -----------------------------------------------------------------------------------
     def charge(self, op: str, nbytes: int, group: RankGroup, phase: str) -> dict[str, int]:
@@ -89,8 +101,48 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
+        if inp.device.type != "cpu":
+            charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
+            return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
+        if self._one_tier(group):
+            return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
-        return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
+        self._ring_reduce_scatter(out, inp, group)
+        return charges, Pending(None)
+
+    def _one_tier(self, group: RankGroup) -> bool:
+        """Whether every pair of members talks over the same tier."""
+        if group.ranks not in self._one_tier_groups:
+            tiers = {self.topology.tier_between(a, b) for a in group.ranks for b in group.ranks if a != b}
+            self._one_tier_groups[group.ranks] = len(tiers) == 1
+        return self._one_tier_groups[group.ranks]
+
+    def _start_exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
+                                       ) -> tuple[dict[str, int], "Pending"]:
+        """Chunk j of every member to member j (one all-to-all), then the k chunks summed here in fp32
+        in member order. On one tier its charges per tier are the ring's."""
+        received = torch.empty_like(inp)
+        charges = self.charge("all_to_all", _nbytes(inp), group, phase)
+        work = dist.all_to_all_single(received, inp.contiguous(), group=group.handle, async_op=True)
+
+        def sum_chunks() -> None:
+            out.copy_(received.view(group.size, -1).sum(dim=0, dtype=torch.float32).view(out.shape))
+        return charges, Pending(work, inp, out, received, then=sum_chunks)
+
+    def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup) -> None:
+        """The ring in member order: at step s member i sends its partial sum of chunk i-s-1 to member
+        i+1 and adds its own chunk i-s-2 to what member i-1 sent; after k-1 steps it holds chunk i."""
+        k, me = group.size, group.index(self.rank)
+        chunks = inp.reshape(k, -1)
+        nxt, prev = group.ranks[(me + 1) % k], group.ranks[(me - 1) % k]
+        partial = chunks[(me - 1) % k].clone()
+        received = torch.empty_like(partial)
+        for step in range(k - 1):
+            sent = dist.isend(partial, nxt, group=group.handle)
+            dist.irecv(received, prev, group=group.handle).wait()
+            sent.wait()
+            partial = received + chunks[(me - step - 2) % k]
+        out.copy_(partial.view(out.shape))
 
     def all_reduce(self, buf: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
         """Sum ``buf`` over the members, in place."""
@@ -131,13 +183,15 @@ class Pending:
     On GPUs the wait orders the current stream after the collective's stream. Until then it holds
     the collective's buffers, so a caller's temporary send buffer cannot be freed under it."""
 
-    def __init__(self, work, *buffers: torch.Tensor):
-        self._work, self._buffers = work, buffers
+    def __init__(self, work, *buffers: torch.Tensor, then: Optional[Callable[[], None]] = None):
+        self._work, self._buffers, self._then = work, buffers, then
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
-            self._work, self._buffers = None, ()
+            if self._then is not None:  # the local part of the collective (a reduce-scatter's sum)
+                self._then()
+            self._work, self._buffers, self._then = None, (), None
 
 
 def _nbytes(t: torch.Tensor) -> int:
