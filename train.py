@@ -1,18 +1,16 @@
 """Entry point run on every rank: `train.py --neox-config-json PATH` (deepy.py writes PATH once).
 
-Parse, build, train, close — everything else lives in megatron/.
+Parse, build, train, close — everything else lives in megatron/ (megatron/entry_point.py: the
+argument, the rank guard, exit codes, and why a rank leaves with os._exit once it is in a group).
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import traceback
 
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
+from megatron.entry_point import run_script
 from megatron.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
-from megatron.rank_guard import guard_rank
 
 
 def exit_code(trainer) -> int:
@@ -24,20 +22,7 @@ def exit_code(trainer) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--neox-config-json", required=True,
-                        help="the validated config deepy.py serialized (never YAML: ranks do not re-parse)")
-    args = parser.parse_args(argv)
-    guard_rank(os.environ)  # first: a rank never outlives its launcher, nor ignores a stop it cannot act on
-    try:
-        code = _train(args.neox_config_json)
-    except SystemExit as stop:  # user_errors' one line is printed already
-        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
-    except BaseException:  # noqa: BLE001 - a bug: the traceback is the launcher's root cause
-        traceback.print_exc()
-        code = 1
-    _leave_without_gloo_teardown(code)
-    return code
+    return run_script(_train, __doc__, argv)
 
 
 def _train(config_json: str) -> int:
@@ -51,20 +36,6 @@ def _train(config_json: str) -> int:
         # peers are blocked in that step's collective, so the run would hang instead of failing.
         run.runtime.close()
     return exit_code(run.trainer)
-
-
-def _leave_without_gloo_teardown(code: int) -> None:
-    """Once a process group exists, exit without the interpreter's C++ teardown: gloo's threads, still
-    referenced by Python objects, intermittently abort there ("terminate called without an active
-    exception", exit 134), after a good run and after an error alike, which would hide the real code
-    (seen here at 8 ranks, and on the 2-rank diverging-run test under CI load)."""
-    import torch.distributed as dist
-
-    in_a_group = (dist.is_available() and dist.is_initialized()) or os.environ.get("WORLD_SIZE", "1") != "1"
-    if in_a_group:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 if __name__ == "__main__":

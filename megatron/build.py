@@ -76,7 +76,8 @@ class Run:
         log_print(" | ".join(losses) + "".join("\n" + line for line in lines if line not in losses))
 
 
-def _derive_vocab(cfg, tokenizer_vocab: int):
+def derive_vocab(cfg, tokenizer_vocab: int):
+    """The config with padded_vocab_size from the tokenizer's own size (training, generation, eval)."""
     padded = pad_vocab_size(tokenizer_vocab, cfg.model.make_vocab_size_divisible_by)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded))
 
@@ -148,7 +149,7 @@ def build_training(cfg) -> Run:
             ensure_demo_data_from_config(cfg)
         runtime.barrier()
     tokenizer = build_tokenizer(cfg.tokenizer)
-    cfg = _derive_vocab(cfg, tokenizer.vocab_size)
+    cfg = derive_vocab(cfg, tokenizer.vocab_size)
     tcfg = cfg.training
     global_batch = tcfg.train_micro_batch_size_per_gpu * tcfg.gradient_accumulation_steps * runtime.world_size
     num_valid = tcfg.eval_iters * tcfg.train_micro_batch_size_per_gpu * runtime.world_size

@@ -48,6 +48,11 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
+def autocast_dtype_of(precision: str) -> Optional[torch.dtype]:
+    """The autocast dtype of a config precision; None for fp32 (no autocast)."""
+    return {"bfloat16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """Mean next-token cross entropy over every position of the micro-batch (fp32 softmax)."""
     logits = model(batch["tokens"])
@@ -64,7 +69,7 @@ class LocalEngine:
         self.opt_cfg = opt_cfg
         self.device = device
         self.accumulation_steps = accumulation_steps
-        self.autocast_dtype = {"bfloat16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.autocast_dtype = autocast_dtype_of(precision)
         self.optimizer = torch.optim.AdamW(
             adamw_param_groups(model, opt_cfg.weight_decay), lr=0.0, betas=tuple(opt_cfg.betas),
             eps=opt_cfg.eps, foreach=False)

@@ -61,11 +61,15 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def launched_as() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun-style or Slurm variables; (0, 1, 0) when alone."""
+    return (_env_int("RANK", "SLURM_PROCID", default=0), _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
+            _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
+
+
 def init_runtime(cfg) -> Runtime:
     """Read rank/world size from torchrun-style or Slurm variables and join the process group."""
-    world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    rank, world_size, local_rank = launched_as()
     expected = world_size_of(cfg)
     if world_size != expected:
         raise ConfigError(f"the configured layout has {expected} ranks but {world_size} processes were "

@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 from megatron.checkpointing.checkpointer import CheckpointError, load_meta
 from megatron.checkpointing.hf import (hf_config_dict, model_config_from_hf, to_hf_state_dict,
                                        from_hf_state_dict)
-from megatron.checkpointing.reader import CheckpointReader
+from megatron.checkpointing.reader import read_master_weights
 from megatron.config import config_from_dict
-from megatron.logging.progress import Progress
 
 
 def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -28,15 +27,7 @@ def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype =
                               "pass a global_stepN folder")
     cfg = config_from_dict(load_meta(step_dir)["config"])
     vocab = cfg.model.padded_vocab_size
-    # master weights only, one parameter at a time through the index (no moments, no coverage masks)
-    reader = CheckpointReader(step_dir)
-    params = {}
-    total = 4 * sum(reader.numel(name) for name in reader.shapes)
-    with Progress("reading master weights", total, bytes_unit=True, enabled=progress) as bar:
-        for name, shape in reader.shapes.items():
-            params[name] = reader.read(name, 0, reader.numel(name), ("master",))["master"].view(shape)
-            bar.update(4 * reader.numel(name))
-    reader.close()
+    params = read_master_weights(step_dir, progress=progress)
     hf_sd = {k: v.to(dtype).contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config_dict(cfg.model, vocab)

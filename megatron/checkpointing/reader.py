@@ -173,3 +173,22 @@ class CheckpointReader:
             raise CheckpointError(f"{self.step_dir / INDEX} does not match rank file {rank} (piece {position}): "
                                   "the checkpoint is damaged")
         return piece
+
+
+def read_master_weights(step_dir: str | Path, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of a step saved under any layout, whole, by name (fp32 master weights, in
+    their shapes; a tied weight once): read one parameter at a time through the index, without the
+    Adam moments. ``progress``: show the bytes read on stderr (megatron/logging/progress.py)."""
+    from megatron.logging.progress import Progress  # only for this whole-model read
+
+    reader = CheckpointReader(step_dir)
+    params = {}
+    total = 4 * sum(reader.numel(name) for name in reader.shapes)
+    try:
+        with Progress("reading master weights", total, bytes_unit=True, enabled=progress) as bar:
+            for name, shape in reader.shapes.items():
+                params[name] = reader.read(name, 0, reader.numel(name), ("master",))["master"].view(shape)
+                bar.update(4 * reader.numel(name))
+    finally:
+        reader.close()
+    return params

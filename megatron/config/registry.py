@@ -153,10 +153,8 @@ _NOOP: dict[str, tuple[str, ...]] = {
     "muP is not supported (use_mup is refused); its scales are ignored": (
         "coord_check", "save_base_shapes", "base_shapes_file", "mup_init_scale", "mup_attn_temp", "mup_output_temp",
         "mup_embedding_mult", "mup_rp_embedding_mult", "mup_width_scale"),
-    "text generation and evaluation-harness settings are not used by training": (
-        "text_gen_type", "precompute_model_name", "temperature", "top_p", "top_k", "return_logits",
-        "maximum_tokens", "prompt_end", "sample_input_file", "sample_output_file", "num_samples", "recompute",
-        "eval_results_prefix", "eval_tasks"),
+    "generate.py writes texts only (no logits) and has no precompute mode": (
+        "precompute_model_name", "return_logits"),
     "mixture of experts is not supported (moe_num_experts is refused above 1); MoE settings are ignored": (
         "moe_top_k", "use_tutel", "moe_loss_coeff", "moe_train_capacity_factor", "moe_eval_capacity_factor",
         "moe_min_capacity", "moe_token_dropping", "create_moe_param_group", "moe_use_residual", "moe_type",

@@ -229,6 +229,29 @@ class LauncherConfig:
 
 
 @dataclass
+class GenerationConfig:
+    """Text generation by generate.py (GPT-NeoX's text-generation keys, same meanings and defaults)."""
+    text_gen_type: Optional[str] = doc(None, "What generate.py does: unconditional (num_samples texts from the end-of-document token), input-file (one completion per prompt of sample_input_file) or interactive (prompts read from the terminal); unset is an error when generating, as in NeoX (configs/text_generation.yml sets it).",
+                                       choices=("unconditional", "input-file", "interactive"))
+    temperature: float = doc(0.0, "Sampling temperature: logits are divided by it before sampling; 0 = greedy decoding (the most likely token, top_k and top_p unused).", ge=0.0)
+    top_k: int = doc(0, "Sample only among the k most likely tokens; 0 = no limit.", ge=0)
+    top_p: float = doc(0.0, "Nucleus sampling: only among the most likely tokens whose probabilities add up to top_p (the first one always kept); 0 = no limit.", ge=0.0, le=1.0)
+    maximum_tokens: int = doc(64, "Most tokens generated per prompt; generation also ends at the end-of-document token and at max_position_embeddings (the prompt counts).", ge=1)
+    prompt_end: str = doc("\n", "What separates prompts in sample_input_file (a newline: one prompt per line); empty prompts are skipped.")
+    sample_input_file: Optional[str] = doc(None, "input-file: the file of prompts (UTF-8).")
+    sample_output_file: Optional[str] = doc(None, "Where results go, one JSON object per line (context, text, length, finished, message, duration_seconds, as NeoX); unset: <sample_input_file>.output.jsonl for input-file, <log_dir>/samples.jsonl otherwise.")
+    num_samples: int = doc(1, "unconditional: how many texts to generate.", ge=1)
+    recompute: bool = doc(False, "Recompute attention over the whole prefix for every new token instead of keeping a KV cache (slower, the same greedy tokens; a check, not a need here).")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation by eval.py: loss and perplexity on the validation/test data, and lm-evaluation-harness tasks."""
+    eval_tasks: Optional[list] = doc(None, "lm-evaluation-harness tasks to run (names such as lambada_openai, which need a network for their data sets, or paths of local task YAML files); unset: only the loss and perplexity on the data. Needs the `eval` extra (lm-eval).")
+    eval_results_prefix: str = doc("", "Results go to <prefix>_eval_results_<time>.json; empty: <log_dir>/eval_results_<time>.json.")
+
+
+@dataclass
 class NeoXConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -242,5 +265,7 @@ class NeoXConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     config_files: list = doc([], "Derived: the YAML files merged, in order, as {path, text}.", derived=True)
     overrides: list = doc([], "Derived: the --set key=value overrides applied after merging, in order.", derived=True)

@@ -61,7 +61,8 @@ def build_config(routed: Routed, env: Mapping[str, str]) -> NeoXConfig:
         setattr(groups[group], name, value)
     cfg = NeoXConfig(**groups)
     ctx = _Context(routed)
-    for step in (_model, _optimizer, _lr_schedule, _vocab, _data, _precision, _layout, _batch, _zero, _launcher):
+    for step in (_model, _optimizer, _lr_schedule, _vocab, _data, _precision, _layout, _batch, _zero, _launcher,
+                 _generation):
         step(cfg, ctx, env)
     return cfg
 
@@ -291,6 +292,17 @@ def _launcher(cfg: NeoXConfig, ctx: _Context, env) -> None:
     la = cfg.launcher
     if la.launcher == "hostfile" and not la.hostfile:
         raise ctx.error("launcher.launcher", "hostfile needs `hostfile: PATH` (lines `host slots=N`)", "set hostfile")
+
+
+def _generation(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    """generate.py / eval.py keys that depend on each other (files are checked when they are read)."""
+    g, e = cfg.generation, cfg.evaluation
+    if g.text_gen_type == "input-file" and not g.sample_input_file:
+        raise ctx.error("generation.sample_input_file", "is unset but text_gen_type is input-file",
+                        "set sample_input_file to a file of prompts, one per line")
+    if e.eval_tasks is not None and (not e.eval_tasks or not all(isinstance(t, str) and t for t in e.eval_tasks)):
+        raise ctx.error("evaluation.eval_tasks", f"expected a non-empty list of task names or task YAML paths, got {e.eval_tasks}",
+                        "e.g. eval_tasks: [lambada_openai] or eval_tasks: [path/to/task.yaml]")
 
 
 def launch_environment_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megatron.config.errors import ConfigError
 from megatron.config.schema import ModelConfig
+from megatron.model.kv_cache import KVCache, LayerCache
 
 # Names (suffixes) of the weights initialised with ``output_layer_init_method``: the projections that
 # write back into the residual stream. Every other matrix uses ``init_method``.
@@ -148,7 +149,8 @@ class SelfAttention(nn.Module):
         self.query_key_value = nn.Linear(hidden_size, 3 * hidden_size)
         self.dense = nn.Linear(hidden_size, hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv: LayerCache | None = None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         # [B, T, 3H] -> [B, heads, T, 3 * head_dim]; each head's slice is its own q, k, v in turn.
         qkv = self.query_key_value(x).view(batch, seq, self.num_heads, 3 * self.head_dim).transpose(1, 2)
@@ -156,8 +158,23 @@ class SelfAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            past = kv.owner.length
+            k, v = kv.extend(k, v)  # the cached positions, then these
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_after_cached_mask(past, seq, q.device),
+                                               dropout_p=dropout)
         return self.dense(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+def _after_cached_mask(past: int, new: int, device: torch.device) -> torch.Tensor | None:
+    """Causal mask of `new` queries that follow `past` cached positions: query i sees keys up to
+    past + i. None for one query (it sees every key). SDPA's own is_causal aligns the diagonal to the
+    top-left corner, which is right only when nothing is cached."""
+    if new == 1:
+        return None
+    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)
 
 
 class MLP(nn.Module):
@@ -185,8 +202,9 @@ class Block(nn.Module):
         self.mlp = MLP(h, intermediate_size_of(cfg))
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        attn = self.dropout(self.attention(self.input_layernorm(x), rope))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv: LayerCache | None = None) -> torch.Tensor:
+        attn = self.dropout(self.attention(self.input_layernorm(x), rope, kv))
         if self.parallel_residual:
             return x + attn + self.dropout(self.mlp(self.post_attention_layernorm(x)))
         x = x + attn
@@ -309,12 +327,22 @@ class GPTNeoX(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of ``tokens``; with a ``cache`` (megatron/model/kv_cache.py) the
+        tokens continue the cached positions, whose keys and values are reused, and join the cache."""
         seq = tokens.shape[1]
-        if seq > self.rope_cos.shape[0]:
+        start = 0 if cache is None else cache.length
+        if start + seq > self.rope_cos.shape[0]:
             raise ModelConfigError(
-                f"model: sequence of {seq} tokens exceeds max_position_embeddings ({self.rope_cos.shape[0]})")
+                f"model: sequence of {start + seq} tokens exceeds max_position_embeddings ({self.rope_cos.shape[0]})")
         h = self.embed(tokens)
+        if cache is not None:
+            cache.check_room(seq)
+            rope = (self.rope_cos[start:start + seq].to(h.dtype), self.rope_sin[start:start + seq].to(h.dtype))
+            for block, layer_cache in zip(self.layers, cache.layers):
+                h = block(h, rope, layer_cache)
+            cache.advance(seq)
+            return self.final(h)
         rope = (self.rope_cos[:seq].to(h.dtype), self.rope_sin[:seq].to(h.dtype))
         if self.checkpoint_activations and torch.is_grad_enabled():
             # Early stop off: the recompute in backward runs the whole block's __call__, so the
