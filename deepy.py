@@ -4,6 +4,7 @@
     python deepy.py train.py configs/tiny-cpu.yml [more.yml ...] [--set KEY=VALUE ...] [-- script args]
     python deepy.py --print-config configs/tiny-cpu.yml configs/sim-2x2x2.yml [--set ...]
     python deepy.py --dry-run configs/20B.yml configs/frontier.yml configs/zero_topo.yml configs/local_setup.yml
+    python deepy.py generate.py CONFIGS... --set load=DIR    (or eval.py: docs/generate_eval.md)
 
 The validated config is written once as JSON (under log_dir) and every rank runs
 `train.py --neox-config-json PATH`; ranks never re-parse YAML. Mistakes end with one line on
@@ -27,6 +28,7 @@ from megatron.exit_codes import INTERNAL_ERROR, USAGE_ERROR
 from megatron.launcher import launch
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yml"
+SCRIPTS_THAT_NEVER_SAVE = ("generate.py", "eval.py")  # docs/generate_eval.md
 
 
 class _ConfigDumper(yaml.SafeDumper):
@@ -116,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_config(cfg))
         return 0
     # Refused here, before any rank starts: once training has run, its first save would be lost.
+    # generate.py and eval.py never save: their `load` may name any folder.
     ck = cfg.checkpoint
-    problem = save_folder_conflict(ck.save, ck.load, ck.overwrite_checkpoints)
+    saves = script is None or Path(script).name not in SCRIPTS_THAT_NEVER_SAVE
+    problem = saves and save_folder_conflict(ck.save, ck.load, ck.overwrite_checkpoints)
     if problem:
         raise ConfigError(problem)
     if args.dry_run:
