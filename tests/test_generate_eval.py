@@ -170,7 +170,10 @@ def test_bad_inputs_are_one_line_errors(trained, tmp_path):
     no_prompts = run_deepy("generate.py", str(trained / "run.yml"),
                            "--set", f"load={trained / 'ck'}", "--set", "text_gen_type=input-file",
                            "--set", f"sample_input_file={tmp_path / 'none.txt'}")
+    no_task = run_deepy("eval.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
+                        "--set", f"eval_tasks=[{tmp_path / 'none.yaml'}]", "--set", f"eval_results_prefix={tmp_path / 'x'}")
     for result, line in ((missing, f"error: the load folder {tmp_path / 'nothing'} does not exist"),
-                         (no_prompts, f"error: sample_input_file {tmp_path / 'none.txt'} does not exist")):
+                         (no_prompts, f"error: sample_input_file {tmp_path / 'none.txt'} does not exist"),
+                         (no_task, f"eval_tasks: task file {tmp_path / 'none.yaml'} does not exist")):
         assert result.returncode == 2, result.stderr[-2000:]
         assert line in result.stderr and "Traceback" not in result.stderr
