@@ -75,8 +75,13 @@ def render_config(cfg: NeoXConfig) -> str:
     data = config_to_dict(cfg)
     data["config_files"] = [entry["path"] for entry in data["config_files"]]
     header = (f"# NeoX-Topo config: {world_size_of(cfg)} rank(s), layout {cfg.topology.layout or [1]}, "
-              f"shard factors (w, g, os) = {tuple(cfg.zero.resolved_factors)}\n")
+              f"shard factors (w, g, os) = {_factors_text(cfg)}\n")
     return header + yaml.dump(data, Dumper=_ConfigDumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+def _factors_text(cfg: NeoXConfig) -> str:
+    factors = cfg.zero.resolved_factors
+    return str(tuple(factors)) if factors is not None else "chosen at start-up (plan: auto)"
 
 
 def run_config_path(cfg: NeoXConfig) -> Path:
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = write_run_config(cfg)
     print(f"deepy: {world_size_of(cfg)} rank(s), launcher {cfg.launcher.launcher}, "
-          f"shard factors {cfg.zero.resolved_factors}; config {path}", file=sys.stderr, flush=True)
+          f"shard factors {_factors_text(cfg)}; config {path}", file=sys.stderr, flush=True)
     return launch(cfg, script, str(path), extra_args=script_args, rank_output=args.rank_output)
 
 

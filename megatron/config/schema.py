@@ -192,7 +192,13 @@ class ZeroConfig:
                                   key="zero_optimization.reduce_bucket_size", ge=1)
     reduce_buckets_in_flight: int = doc(2, "With overlap_comm: most gradient pieces issued and not yet added to the accumulator (each holds its gradient and its hop buffers), like the gather prefetch's bound.",
                                         key="zero_optimization.reduce_buckets_in_flight", ge=1)
-    resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses.",
+    plan: Optional[str] = doc(None, "auto: choose the shard factors (every nested [w, g, os], and ZeRO++) at start-up with the step-time model (megatron/zero_topo/planner.py; docs/time_model.md): the shortest predicted step whose memory peak fits plan_memory_per_device_gb, with the link figures of topology.link_figures when set, else the topology preset's. Rank 0 logs the plan and why. Excludes stage, preset, shard_factors and zero_hpz_partition_size.",
+                              key="zero_optimization.plan", choices=("auto",))
+    plan_quantize: bool = doc(False, "With plan auto: the planner may also choose quantization bits per phase (none, INT4/INT8 at the step boundary only, or INT8 weights + INT4 gradients); false keeps the configured quantization.",
+                              key="zero_optimization.plan_quantize")
+    plan_memory_per_device_gb: Optional[float] = doc(None, "With plan auto: the memory budget of one device in GB (the memory model's peak must fit); None = the device's memory (64 on Frontier's GCDs, or the probe's).",
+                                                     key="zero_optimization.plan_memory_per_device_gb", gt=0.0)
+    resolved_factors: Optional[list] = doc(None, "Derived: the [w, g, os] this run uses (None with plan auto: chosen at start-up).",
                                            key="zero_optimization.resolved_factors", derived=True)
     resolved_preset: Optional[str] = doc(None, "Derived: the layout's name (megatron/topology/layout.py): stage0..stage3 (from stage), hsdp, zeropp, zero_topo, or custom for explicit shard_factors.",
                                           key="zero_optimization.resolved_preset", derived=True)
@@ -205,6 +211,8 @@ class TopologyConfig:
                                 key="topology.preset", choices=("frontier", "dgx", "sim"))
     simulate: Optional[list] = doc(None, "Simulated layout on this machine, fastest tier last, e.g. [2, 2, 2] = 2 nodes x 2 GPUs x 2 GCDs, or [2, 2].",
                                    key="topology.simulate")
+    link_figures: Optional[str] = doc(None, "A link probe JSON (tools/probe_links.py, or written by hand: docs/time_model.md) whose per-tier bandwidths and latencies, per-algorithm figures and device rates replace the topology preset's in the step-time model (the planner of zero_optimization.plan auto, deepy --dry-run).",
+                                      key="topology.link_figures")
     layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, or under launcher slurm without a preset the allocation's nodes x tasks (or GPUs) per node); None for one process.",
                                  key="topology.layout", derived=True)
     world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).",

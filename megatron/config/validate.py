@@ -272,6 +272,17 @@ def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
     z = cfg.zero
     tiers = cfg.topology.layout or SINGLE_PROCESS
     hpz = z.zero_hpz_partition_size
+    if z.plan == "auto":
+        chosen = [target for target in ("zero.stage", "zero.preset", "zero.shard_factors", "zero.zero_hpz_partition_size")
+                  if ctx.given(target)]
+        if chosen:
+            raise ctx.error(chosen[0], "is set together with plan: auto, which chooses the layout itself",
+                            "remove one of the two")
+        z.resolved_factors, z.resolved_preset = None, None  # megatron.zero_topo.planner.planned_config
+        return
+    for target in ("zero.plan_quantize", "zero.plan_memory_per_device_gb"):
+        if ctx.given(target):
+            raise ctx.error(target, "only applies with plan: auto", "set zero_optimization.plan: auto or remove it")
     if hpz > 1:
         if z.shard_factors is None and z.preset is None and z.stage != 3:
             raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} needs stage 3 (ZeRO++ hpZ)", "set stage: 3 or preset: zeropp")

@@ -1,4 +1,4 @@
-"""Analytic communication model of the ZeRO-topo engine: bytes per (phase, tier) (step time: comm_time.py).
+"""Analytic communication model of the ZeRO-topo engine: bytes per (phase, tier) (step time: time_model.py).
 
 This module restates the algorithm of ``docs/engine.md`` from scratch and imports nothing from the
 engine (nor its flat units, collectives or quantizer): the tests compare the engine's byte ledger
@@ -270,6 +270,10 @@ class Collective:
     all-to-all input); a quantized collective's buffer is packed uint8 (numel = bytes)."""
     elem_bytes: int
     count: int = 1
+    unit: Optional[int] = None
+    """The unit it moves (None: the control vectors); the time model schedules by unit."""
+    bits: int = 0
+    """Quantized payload bits (0: the buffer is in its dtype); the time model adds the kernels' cost."""
 
     @property
     def nbytes(self) -> int:
@@ -283,20 +287,22 @@ def step_collectives(spec: CommSpec) -> list:
 
 
 def _gather(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
-            count: int = 1) -> Collective:
+            count: int = 1, unit: Optional[int] = None) -> Collective:
     """Allgather of k chunks into ``numel`` elements; quantized, of k packed messages of numel/k."""
     if bits:
-        return Collective(phase, ALLGATHER, group, k * packed_message_bytes(numel // k, bits, block), 1, count)
-    return Collective(phase, ALLGATHER, group, numel, elem_bytes, count)
+        return Collective(phase, ALLGATHER, group, k * packed_message_bytes(numel // k, bits, block), 1, count,
+                          unit, bits)
+    return Collective(phase, ALLGATHER, group, numel, elem_bytes, count, unit)
 
 
 def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
-            count: int = 1) -> Collective:
+            count: int = 1, unit: Optional[int] = None) -> Collective:
     """One reduction hop of a ``numel``-element input over k ranks: a reduce-scatter in dtype, or an
     all-to-all of k packed messages of numel/k elements (piece j to member j)."""
     if bits:
-        return Collective(phase, ALL_TO_ALL, group, k * packed_message_bytes(numel // k, bits, block), 1, count)
-    return Collective(phase, REDUCE_SCATTER, group, numel, elem_bytes, count)
+        return Collective(phase, ALL_TO_ALL, group, k * packed_message_bytes(numel // k, bits, block), 1, count,
+                          unit, bits)
+    return Collective(phase, REDUCE_SCATTER, group, numel, elem_bytes, count, unit)
 
 
 def _ladder_collectives(spec: CommSpec) -> list:
@@ -311,13 +317,13 @@ def _ladder_collectives(spec: CommSpec) -> list:
         passes = ([("eval_gather", e)] if e else []) + [("fwd_gather", a)]
         if u != len(sizes) - 1:  # the last unit stays gathered from its forward to its backward
             passes.append((backward_gather, a))
-        out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n) for phase, n in passes]
-        out += [_reduce("grad_reduce", "weight", s, w, c, qs.grad_reduce_bits, b, a),
-                _reduce("grad_reduce", "stride", s // w, g // w, c, qs.grad_reduce_bits, b, a),
-                _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b),
-                Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary),
-                _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b),
-                _gather("refresh", "stride", s // w, g // w, c, 0, b)]
+        out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n, u) for phase, n in passes]
+        out += [_reduce("grad_reduce", "weight", s, w, c, qs.grad_reduce_bits, b, a, u),
+                _reduce("grad_reduce", "stride", s // w, g // w, c, qs.grad_reduce_bits, b, a, u),
+                _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u),
+                Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary, 1, u),
+                _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b, 1, u),
+                _gather("refresh", "stride", s // w, g // w, c, 0, b, 1, u)]
     return out
 
 
@@ -342,13 +348,13 @@ def _zeropp_collectives(spec: CommSpec) -> list:
         # the last unit stays gathered from its forward to its backward: no backward gather
         later = {"eval_gather": e, "fwd_gather": a, backward_gather: a if u != len(sizes) - 1 else 0}
         later[first] -= 1
-        out.append(_gather(first, "world", s, n, c, wbits, b))
-        out += [_gather(phase, "node", s, r, c, wbits, b, count) for phase, count in later.items() if count]
+        out.append(_gather(first, "world", s, n, c, wbits, b, 1, u))
+        out += [_gather(phase, "node", s, r, c, wbits, b, count, u) for phase, count in later.items() if count]
         if gbits:
-            out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a),
-                    _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a)]
+            out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u),
+                    _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a, u)]
         else:
-            out.append(_reduce("grad_reduce", "world", s, n, c, 0, b, a))
+            out.append(_reduce("grad_reduce", "world", s, n, c, 0, b, a, u))
     return out
 
 

@@ -50,3 +50,44 @@ def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
                     **sharding)
+
+
+def unit_flops_per_token(model_cfg, padded_vocab: int) -> tuple:
+    """Forward model FLOPs per token of each unit, in forward order (embedding, blocks, final): the
+    terms of ``megatron.model.sizes.model_flops_per_token`` split by the unit that runs them (its
+    total is 3x their sum): a block's four matmuls and its attention over ``seq_length``, the head's
+    output layer; the embedding is a lookup."""
+    h, s, layers = model_cfg.hidden_size, model_cfg.seq_length, model_cfg.num_layers
+    inner = model_cfg.intermediate_size if model_cfg.intermediate_size is not None else 4 * h
+    block = 2 * (3 * h * h + h * h + 2 * h * inner) + 2 * (2 * s * h)
+    return (0.0,) + (float(block),) * layers + (float(2 * h * padded_vocab),)
+
+
+def step_work_from_config(cfg, padded_vocab: int):
+    """The compute of one step of the configured run (``time_model.StepWork``)."""
+    from megatron.zero_topo.time_model import StepWork
+    tokens = (cfg.training.train_micro_batch_size_per_gpu or 1) * cfg.model.seq_length
+    return StepWork(tokens, unit_flops_per_token(cfg.model, padded_vocab),
+                    prefetch_gathers=bool(cfg.zero.prefetch_gathers), overlap_comm=bool(cfg.zero.overlap_comm))
+
+
+def backend_of(cfg) -> str:
+    """The collectives' library the run will use: the configured one, else NCCL/RCCL unless the run
+    is on the CPU (training.device cpu, or a simulated layout under device auto)."""
+    backend = cfg.launcher.distributed_backend
+    if backend != "auto":
+        return backend
+    on_cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto" and bool(cfg.topology.simulate))
+    return "gloo" if on_cpu else "nccl"
+
+
+def hardware_from_config(cfg, world_size: Optional[int] = None):
+    """The time model's figures for the configured run: the topology's tiers and device
+    (``Hardware.from_topology``), overridden by ``topology.link_figures`` (a probe file) when set."""
+    from megatron.config import world_size_of
+    from megatron.topology import Topology
+    from megatron.zero_topo.time_model import Hardware
+    topology = Topology.from_config(cfg, world_size or world_size_of(cfg))
+    hw = Hardware.from_topology(topology, backend=backend_of(cfg))
+    probe = cfg.topology.link_figures
+    return hw.with_probe(probe, path=probe) if probe else hw

@@ -1,5 +1,5 @@
 """From a validated config to a running engine, in the documented order:
-shard layout + topology -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
+the plan (``zero_optimization.plan: auto``, megatron/zero_topo/planner.py) -> shard layout + topology -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
 
 The trainer calls ``engine_from_config`` once after ``init_process_group``; nothing here is global.
 """
@@ -16,6 +16,7 @@ from megatron.topology import ProcessGroups, ShardLayout, Topology, TopologyErro
 from megatron.topology.layout import tiers_of
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.engine import Materialize, ZeroTopoEngine
+from megatron.zero_topo.planner import planned_config
 from megatron.zero_topo.quantized import QuantSettings
 
 
@@ -29,10 +30,13 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     ``device`` to the parameters' device. A model built on the meta device needs ``device`` and
     ``materialize`` (see ZeroTopoEngine): its units are then made real one at a time.
     """
+    cfg, plan = planned_config(cfg, world_size)  # plan: auto chooses the layout here, the same on every rank
     zero = cfg.zero
     quant = QuantSettings.from_config(zero)  # the effective bits, derived here only
     layout, topology = layout_and_topology(cfg, world_size, topology)
     groups = ProcessGroups.build(topology, layout.factors)
+    if plan is not None:
+        log_print(f"zero_optimization.plan auto chose {plan.reason()}", groups.rank)
     device = device or next(model.parameters()).device
     comm = Communicator(groups, device=device)
     if quant.enabled:

@@ -1,0 +1,251 @@
+"""Choose the shard layout: every nested (w, g, os) (and ZeRO++), with quantization bits per phase,
+scored by the time model under a memory budget (docs/time_model.md, "The planner").
+
+A candidate is a ``ShardLayout`` (made by ``ShardLayout.resolve``, so the nesting rule is the
+layout's, never restated here), a ``QuantSpec`` and whether activations are checkpointed. For each
+the comm model gives the bytes per tier, the memory model the peak per device (model states,
+buffers in flight, activations), the time model the step time; the best is the feasible one with
+the shortest step (ties: fewer inter-node bytes, then the larger factors). ``tools/plan.py`` prints
+the whole table; ``zero_optimization.plan: auto`` runs the same search at start-up
+(``planned_config``) over the config's quantization and activation checkpointing (and, with
+``plan_quantize``, the quantization choices below) and logs why it chose what it chose.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
+from megatron.topology.topology import TopologyError
+from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
+from megatron.zero_topo.memory_model import predict_peak_bytes
+from megatron.zero_topo.time_model import Hardware, StepTime, StepWork, ledger_bytes_by_tier, step_time
+
+GB = 1e9
+# Quantization choices the planner tries (when asked to): none, the step boundary only (INT4
+# cross-node gradients, INT8 refresh), and ZeRO++'s qwZ + qgZ (INT8 gathers, INT4 reductions,
+# and with them the boundary hops).
+QUANT_CHOICES = {
+    "none": dict(),
+    "boundary": dict(cross_node_grad_bits=4, refresh_bits=8),
+    "int8w-int4g": dict(quantized_weights=True, quantized_gradients=True),
+}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything but the layout: the model, the run's batch and precision, the hardware."""
+    unit_numels: tuple
+    work: StepWork
+    micro_batches: int
+    compute_bytes: int
+    fp32_allreduce: bool
+    activation_bytes: dict
+    """{checkpointed: bytes of one micro-batch's activations}: the choices of activation checkpointing."""
+    hardware: Hardware
+    memory_budget: float
+    reductions_in_flight: int = 2
+    reduce_bucket_elements: int = 500_000_000
+    quant_block: int = 256
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: ShardLayout
+    quant_name: str
+    quant: QuantSpec
+    checkpointed: bool
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    candidate: Candidate
+    peak_bytes: float
+    """The largest phase peak of one device (memory_model.predict_peak_bytes)."""
+    bytes_per_tier: dict
+    """{tier: bytes one rank sends per step} (all ranks' ledger / N)."""
+    time: StepTime
+    feasible: bool
+
+    @property
+    def name(self) -> str:
+        return _layout_name(self.candidate.layout)
+
+    @property
+    def factors(self) -> tuple:
+        return self.candidate.layout.factors.as_tuple()
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple
+    best: Optional[PlanRow]
+    budget: float
+    """The memory budget per device the rows were checked against."""
+    source: str = ""
+    """Where the time model's figures came from (``Hardware.source``: a probe file or a preset)."""
+
+    def reason(self) -> str:
+        """One paragraph: what was chosen and why (the runner-up, the budget, the figures' source)."""
+        if self.best is None:
+            smallest = min(self.rows, key=lambda r: r.peak_bytes)
+            return (f"no layout fits {self.budget / GB:.1f} GB per device: the smallest peak is "
+                    f"{smallest.peak_bytes / GB:.1f} GB ({describe(smallest)})")
+        best = self.best
+        feasible = [r for r in self.rows if r.feasible]
+        others = sorted((r for r in feasible if r is not best), key=_score)
+        runner = f"; next {describe(others[0])} at {others[0].time.total_s:.3f} s" if others else ""
+        return (f"{describe(best)}: predicted {best.time.total_s:.3f} s per step, "
+                f"{best.time.tflops_per_device:.1f} TFLOPS per device, peak {best.peak_bytes / GB:.2f} GB of "
+                f"{self.budget / GB:.1f} GB; {len(feasible)} of {len(self.rows)} candidates fit{runner}; "
+                f"figures: {self.source}")
+
+
+def describe(row: PlanRow) -> str:
+    c = row.candidate
+    w, g, os_ = row.factors
+    what = "zeropp (hpZ)" if c.layout.hpz else f"{row.name} (w, g, os) = ({w}, {g}, {os_})"
+    bits = c.quant.phase_bits
+    quant = "unquantized" if not c.quant.enabled else "bits " + "/".join(
+        str(bits[k]) for k in ("weight_gather_bits", "grad_reduce_bits", "cross_node_grad_bits", "refresh_bits"))
+    return f"{what}, {quant}, activation checkpointing {'on' if c.checkpointed else 'off'}"
+
+
+def _layout_name(layout: ShardLayout) -> str:
+    """A named preset's name when the factors are one (zero_topo, hsdp, stage3...), else custom."""
+    if layout.preset != CUSTOM:
+        return layout.preset
+    for preset in PRESETS:
+        if preset != ZEROPP and _preset_factors(preset, layout.tiers) == layout.factors.as_tuple():
+            return preset
+    return CUSTOM
+
+
+def nested_factors(world_size: int) -> list:
+    """Every (w, g, os) of divisors of N that ``ShardLayout`` accepts (w | g | os | N)."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return [(w, g, os_) for os_ in divisors for g in divisors if os_ % g == 0 for w in divisors if g % w == 0]
+
+
+def candidate_layouts(tiers: Sequence[int], include_zeropp: bool = True) -> list:
+    layouts = []
+    for factors in nested_factors(math.prod(tiers)):
+        try:
+            layouts.append(ShardLayout.resolve(tiers, shard_factors=factors))
+        except TopologyError:
+            continue  # the layout's own rule said no
+    if include_zeropp:
+        layouts.append(ShardLayout.resolve(tiers, preset=ZEROPP))
+    return layouts
+
+
+def quant_spec(name: str, block: int) -> QuantSpec:
+    return QuantSpec.from_settings(block_size=block, **QUANT_CHOICES[name])
+
+
+def evaluate(candidate: Candidate, inputs: PlanInputs) -> PlanRow:
+    layout = candidate.layout
+    units = inputs.unit_numels
+    spec = CommSpec(units, layout.tiers, **({"preset": ZEROPP} if layout.hpz else {"factors": layout.factors.as_tuple()}),
+                    micro_batches=inputs.micro_batches, compute_bytes=inputs.compute_bytes,
+                    fp32_allreduce=inputs.fp32_allreduce, quant=candidate.quant,
+                    checkpointed_units=transformer_block_units(len(units)) if candidate.checkpointed else frozenset(),
+                    reductions_in_flight=inputs.reductions_in_flight,
+                    reduce_bucket_elements=inputs.reduce_bucket_elements)
+    peaks = predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed])
+    peak = max(phase["total"] for phase in peaks.values())
+    per_tier = {tier: nbytes / layout.world_size for tier, nbytes in ledger_bytes_by_tier(spec).items()}
+    return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work),
+                   peak <= inputs.memory_budget)
+
+
+def _score(row: PlanRow) -> tuple:
+    return (row.time.total_s, row.bytes_per_tier.get("inter_node", 0.0), tuple(-f for f in row.factors))
+
+
+def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] = ("none",),
+           checkpointing: Sequence[bool] = (True,), include_zeropp: bool = True,
+           quants: Optional[dict] = None) -> Plan:
+    """Every candidate on ``tiers``, scored; ``quants`` ({name: QuantSpec}) overrides ``quant_names``."""
+    quants = quants or {name: quant_spec(name, inputs.quant_block) for name in quant_names}
+    rows = []
+    for layout in candidate_layouts(tiers, include_zeropp):
+        for qname, quant in quants.items():
+            for checkpointed in checkpointing:
+                rows.append(evaluate(Candidate(layout, qname, quant, checkpointed), inputs))
+    feasible = [r for r in rows if r.feasible]
+    return Plan(tuple(rows), min(feasible, key=_score) if feasible else None, inputs.memory_budget,
+                inputs.hardware.source)
+
+
+# -- zero_optimization.plan: auto ------------------------------------------------------------------
+
+def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget: Optional[float] = None) -> PlanInputs:
+    """The plan's inputs for the configured model, batch and precision (budget default: the
+    ``plan_memory_per_device_gb`` key, else the device's memory)."""
+    from megatron.model.sizes import activation_bytes, unit_parameter_counts
+    from megatron.zero_topo.model_inputs import step_work_from_config
+    compute_bytes = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
+    micro = cfg.training.train_micro_batch_size_per_gpu or 1
+    acts = {ckpt: activation_bytes(dataclasses.replace(cfg.model, checkpoint_activations=ckpt), padded_vocab,
+                                   micro, compute_bytes) for ckpt in (False, True)}
+    if memory_budget is None:
+        gb = cfg.zero.plan_memory_per_device_gb
+        memory_budget = gb * GB if gb else hardware.device.memory_bytes
+    return PlanInputs(tuple(unit_parameter_counts(cfg.model, padded_vocab)), step_work_from_config(cfg, padded_vocab),
+                      cfg.training.gradient_accumulation_steps or 1, compute_bytes, bool(cfg.precision.fp32_allreduce),
+                      acts, hardware, float(memory_budget),
+                      int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
+                      int(cfg.zero.reduce_bucket_size), int(cfg.zero.quantization_block_size))
+
+
+def plan_for_config(cfg, padded_vocab: int, world_size: Optional[int] = None) -> Plan:
+    """The search ``plan: auto`` runs: the config's layout tiers, figures (``hardware_from_config``:
+    the probe file when given) and activation checkpointing; its quantization, or with
+    ``plan_quantize`` that and every choice of QUANT_CHOICES."""
+    from megatron.config.errors import ConfigError
+    from megatron.topology.layout import SINGLE_PROCESS
+    from megatron.zero_topo.model_inputs import hardware_from_config, quant_spec_of
+    hardware = hardware_from_config(cfg, world_size)
+    inputs = inputs_from_config(cfg, padded_vocab, hardware)
+    quants = {"config": quant_spec_of(cfg.zero)}
+    if cfg.zero.plan_quantize:
+        quants.update({name: quant_spec(name, inputs.quant_block) for name in QUANT_CHOICES})
+    plan = search(cfg.topology.layout or SINGLE_PROCESS, inputs, quants=quants,
+                  checkpointing=(bool(cfg.model.checkpoint_activations),))
+    if plan.best is None:
+        raise ConfigError(f"zero_optimization.plan auto: {plan.reason()}; raise plan_memory_per_device_gb, "
+                          "turn on checkpoint_activations or lower the micro batch")
+    return plan
+
+
+def apply_plan(cfg, row: PlanRow):
+    """``cfg`` with the plan's layout written in (explicit factors, or preset zeropp) and, when the
+    plan chose them, its quantization bits; the derived resolved_* follow."""
+    c = row.candidate
+    zero = cfg.zero
+    if c.layout.hpz:
+        zero = dataclasses.replace(zero, preset=ZEROPP, shard_factors=None)
+    else:
+        zero = dataclasses.replace(zero, shard_factors=list(row.factors))
+    if c.quant_name != "config":
+        zero = dataclasses.replace(zero, **c.quant.phase_bits)
+    zero = dataclasses.replace(zero, resolved_factors=list(row.factors), resolved_preset=c.layout.preset)
+    return dataclasses.replace(cfg, zero=zero)
+
+
+def planned_config(cfg, world_size: Optional[int] = None):
+    """(cfg, None) unless ``zero_optimization.plan`` is auto; then (cfg with the plan applied, plan).
+    Pure arithmetic on the config (and the probe file it names): every rank gets the same plan."""
+    if cfg.zero.plan != "auto":
+        return cfg, None
+    from megatron.config.errors import ConfigError
+    from megatron.zero_topo.model_inputs import padded_vocab_of
+    vocab = padded_vocab_of(cfg)
+    if vocab is None:
+        raise ConfigError("zero_optimization.plan auto needs the vocabulary to size the units: set vocab_size "
+                          "or make the tokenizer file readable")
+    plan = plan_for_config(cfg, vocab, world_size)
+    return apply_plan(cfg, plan.best), plan

@@ -1,0 +1,488 @@
+"""Step time of one optimizer step, predicted from the comm model's collectives (docs/time_model.md).
+
+Three parts, each a statement of what the engine does, not of a textbook algorithm:
+
+- Collectives. Each collective of ``comm_model.step_collectives`` runs, in every group of its kind at
+  once, the algorithm the backend really uses (``algorithm_of``): a ring all-gather (k - 1 steps),
+  a ring all-reduce (2(k - 1)), an all-to-all (k - 1 messages per rank); a reduce-scatter is the
+  native ring on NCCL/RCCL, and on gloo one all-to-all plus a local sum when every pair of members
+  is separated by the same tier, else a ring of k - 1 isend/irecv steps that completes before the
+  call returns, so it overlaps nothing (megatron/zero_topo/comm.py).
+  Its time is ``steps x latency`` of the slowest tier it spans plus, for the most loaded tier, the
+  bytes crossing the busiest *domain* of that tier over the domain's bandwidth. The domain of
+  ``inter_node`` is a node (its NICs are shared by all its ranks); of the in-node tiers, a rank.
+  Quantized collectives add their kernels' time (quantize + dequantize) at the device's rate.
+- Compute. Model FLOPs of each unit (forward; backward twice that; a recompute under activation
+  checkpointing once more) over the device's *achieved* FLOP/s, and the AdamW update of this rank's
+  1/os slice at the device's optimizer rate.
+- Overlap, as the engine schedules it (docs/engine.md "Prefetch", "Overlapped gradient reduction"):
+  with ``prefetch_gathers`` the gather of the next unit runs behind the current unit's compute; with
+  ``overlap_comm`` a unit's gradient reduction runs behind the backward of the unit before it and the
+  last one is waited for at the end of the backward; every pass starts with its first gather
+  exposed; the step boundary (cross-node gradient reduction, replica all-reduce, optimizer, weight
+  refresh) and the control all-reduces overlap nothing. In a window of compute C and communication
+  M the hardware hides ``overlap_efficiency x min(C, M)``: about 1 on a GPU (separate engines),
+  about 0 on a CPU whose cores run both (measured on the emulated cluster, tools/probe_links.py).
+
+The link figures come from the topology (``Topology`` tiers: per-link bandwidth, links, latency),
+overridden per algorithm and tier by a probe file (tools/probe_links.py, ``Hardware.with_probe``);
+the device figures from ``DEVICES`` or the probe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
+                                           Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
+                                           step_collectives, tier_between)
+
+PROBE_FORMAT = "neox-topo-link-probe/1"
+# Algorithms (what runs on the wire) and the probe's fallbacks when one was not measured.
+RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE = "ring_allgather", "ring_reduce_scatter", "ring_allreduce"
+PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM = "all_to_all", "all_to_all_sum"
+ALGORITHMS = (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE, PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM)
+FALLBACK = {RING_REDUCE_SCATTER: RING_ALLGATHER, RING_ALLREDUCE: RING_ALLGATHER, ALL_TO_ALL_SUM: PAIRWISE_ALL_TO_ALL}
+BACKENDS = ("nccl", "gloo")
+GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather")
+BOUNDARY_PHASES = ("cross_grad_reduce", "replica_allreduce", "refresh", "control")
+# Time categories that are not communication phases.
+COMPUTE, RECOMPUTE, OPTIMIZER = "compute", "recompute", "optimizer"
+
+
+@dataclass(frozen=True)
+class TierLink:
+    """One tier's links as one *domain* sees them (a node for inter_node, a rank otherwise)."""
+    bandwidth: float
+    """Bytes per second into (or out of) one domain through this tier."""
+    latency_s: float
+    """Seconds per algorithm step over this tier."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one rank's device achieves (not its peak): the compute side of the model."""
+    name: str
+    achieved_flops: float
+    """Model FLOP/s one rank sustains in its forward and backward (all ranks computing at once)."""
+    optimizer_elements_per_s: float
+    """fp32 elements of the AdamW update per second (memory-bound)."""
+    quantize_elements_per_s: float
+    """Elements per second through one quantize + one dequantize (the quantized collectives' kernels)."""
+    overlap_efficiency: float
+    """Share of min(compute, communication) hidden when the engine overlaps them (0..1)."""
+    memory_bytes: float
+    """Memory of one device (the planner's default budget)."""
+
+
+# Public peak figures with an assumed achieved share; a probe on the machine replaces them.
+DEVICES = {
+    # MI250X GCD: 191.5 TFLOP/s bf16 dense, 64 GB HBM2E at 1.6 TB/s (OLCF Frontier user guide).
+    # Achieved: 35% of peak assumed for a 10-20B GPT (bf16); AdamW touches ~32 B/element; the
+    # quantizer ~10 B/element; RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
+    "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / 32, 1.6e12 / 10, 0.9, 64e9),
+    # H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; 40% achieved assumed.
+    "h100": Device("h100", 0.40 * 989e12, 3.35e12 / 32, 3.35e12 / 10, 0.9, 80e9),
+}
+DEVICE_OF_TOPOLOGY = {"dgx": "h100"}  # every other topology (frontier, sim..., slurm...) has Frontier's figures
+
+
+@dataclass(frozen=True)
+class Hardware:
+    links: Mapping
+    """{tier: TierLink}: the default figures of every tier of the layouts it is used with."""
+    device: Device
+    backend: str = "nccl"
+    """Which library runs the collectives ("nccl" = NCCL/RCCL, "gloo"): decides the reduce-scatter."""
+    algorithm_links: Mapping = field(default_factory=dict)
+    """{(algorithm, tier): TierLink} measured per algorithm (a probe); else FALLBACK, else ``links``."""
+    source: str = "preset"
+    """Where the figures come from, for the logs: "preset <name>" or "probe <path>"."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise CommModelError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+
+    def link(self, algorithm: str, tier: str) -> TierLink:
+        """The figures an algorithm sees on a tier: its own, its fallback's, else the tier's."""
+        for name in (algorithm, FALLBACK.get(algorithm)):
+            if (name, tier) in self.algorithm_links:
+                return self.algorithm_links[(name, tier)]
+        if tier not in self.links:
+            raise CommModelError(f"hardware ({self.source}) has no figures for tier {tier}")
+        return self.links[tier]
+
+    @classmethod
+    def from_topology(cls, topology, device: Optional[str] = None, backend: str = "nccl") -> "Hardware":
+        """Link figures from a ``Topology``'s tiers (bandwidth x links per domain), the device by name
+        (default: the topology's, DEVICE_OF_TOPOLOGY)."""
+        links = {t.name: TierLink(t.bandwidth_gbs * 1e9 * t.links, t.latency_us * 1e-6) for t in topology.tiers}
+        name = device or DEVICE_OF_TOPOLOGY.get(topology.name, "mi250x_gcd")
+        if name not in DEVICES:
+            raise CommModelError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+        return cls(links, DEVICES[name], backend, source=f"preset {topology.name}/{name}")
+
+    def with_probe(self, probe, path: str = "probe") -> "Hardware":
+        """These figures overridden by a probe (a dict in PROBE_FORMAT, or a path to one): per tier,
+        per (algorithm, tier), the device's rates and the backend; what the probe lacks stays."""
+        data = read_probe(probe) if isinstance(probe, (str, Path)) else probe
+        if data.get("format") != PROBE_FORMAT:
+            raise CommModelError(f"{path}: not a link probe (format {data.get('format')!r}, expected {PROBE_FORMAT})")
+        links = dict(self.links)
+        links.update({tier: _tier_link(v, path) for tier, v in data.get("tiers", {}).items()})
+        measured = dict(self.algorithm_links)
+        for algorithm, per_tier in data.get("algorithms", {}).items():
+            if algorithm not in ALGORITHMS:
+                raise CommModelError(f"{path}: unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+            measured.update({(algorithm, tier): _tier_link(v, path) for tier, v in per_tier.items()})
+        device = self.device
+        rates = {k: float(v) for k, v in data.get("device", {}).items() if k in _DEVICE_RATES}
+        if rates:
+            device = dataclasses.replace(device, name=f"{device.name}+probe", **rates)
+        return Hardware(links, device, data.get("backend", self.backend), measured, source=f"probe {path}")
+
+
+_DEVICE_RATES = ("achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s",
+                 "overlap_efficiency", "memory_bytes")
+
+
+def _tier_link(entry: Mapping, path: str) -> TierLink:
+    """{bandwidth_gbs, latency_us} (GB/s per domain, us per step) as written by the probe or by hand."""
+    try:
+        bandwidth, latency = float(entry["bandwidth_gbs"]) * 1e9, float(entry["latency_us"]) * 1e-6
+    except (KeyError, TypeError, ValueError):
+        raise CommModelError(f"{path}: a tier entry needs numbers bandwidth_gbs and latency_us; got {entry!r}") from None
+    if bandwidth <= 0 or latency < 0:
+        raise CommModelError(f"{path}: bandwidth_gbs must be > 0 and latency_us >= 0; got {entry!r}")
+    return TierLink(bandwidth, latency)
+
+
+def read_probe(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise CommModelError(f"cannot read the link probe {path}: {err}") from None
+
+
+# -- one collective ------------------------------------------------------------------------------
+
+def spans_one_tier(ranks: Sequence[int], layout: tuple) -> bool:
+    """Every pair of members is separated by the same tier (gloo's reduce-scatter then is an all-to-all)."""
+    return len({tier_between(a, b, layout) for i, a in enumerate(ranks) for b in ranks[i + 1:]}) <= 1
+
+
+def algorithm_of(op: str, ranks: Sequence[int], layout: tuple, backend: str) -> str:
+    if op == ALLGATHER:
+        return RING_ALLGATHER
+    if op == ALLREDUCE:
+        return RING_ALLREDUCE
+    if op == ALL_TO_ALL:
+        return PAIRWISE_ALL_TO_ALL
+    if op == REDUCE_SCATTER:
+        if backend == "gloo" and spans_one_tier(ranks, layout):
+            return ALL_TO_ALL_SUM
+        return RING_REDUCE_SCATTER
+    raise CommModelError(f"unknown collective op {op!r}")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one byte of buffer B costs an algorithm run in a set of concurrent groups of size k."""
+    algorithm: str
+    k: int
+    steps: int
+    domain_load: dict
+    """{tier: bytes per byte of B through the busiest domain of the tier (in or out, whichever is more)}."""
+    slowest_tier: Optional[str]
+
+
+def footprint(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> Footprint:
+    """Steps and per-domain loads of ``algorithm`` run at once in every group of ``groups`` (equal sizes)."""
+    k = len(groups[0])
+    tiers = TIERS_BY_DEPTH[len(layout)]
+    if k == 1:
+        return Footprint(algorithm, 1, 0, {t: 0.0 for t in tiers}, None)
+    out, into = _sends(groups, layout, algorithm)
+    load = {t: max(max(out[t].values(), default=0.0), max(into[t].values(), default=0.0)) for t in tiers}
+    spanned = [t for t in tiers if load[t] > 0]
+    steps = (2 if algorithm == RING_ALLREDUCE else 1) * (k - 1)
+    return Footprint(algorithm, k, steps, load, spanned[0] if spanned else None)
+
+
+def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tuple[dict, dict]:
+    """({tier: {domain: bytes out}}, {tier: {domain: bytes in}}) per byte of B; the domain of
+    inter_node is the node, of the other tiers the rank. An all-to-all's member sends 1/k to each
+    other member, so its bytes per tier follow from how many members share its node and GPU."""
+    tiers = TIERS_BY_DEPTH[len(layout)]
+    out: dict = {t: {} for t in tiers}
+    into: dict = {t: {} for t in tiers}
+    per_node = math.prod(layout[1:])
+    per_gpu = layout[-1] if len(layout) == 3 else per_node
+
+    def add(tier: str, src: int, dst: int, share: float) -> None:
+        a, b = (src // per_node, dst // per_node) if tier == "inter_node" else (src, dst)
+        out[tier][a] = out[tier].get(a, 0.0) + share
+        into[tier][b] = into[tier].get(b, 0.0) + share
+
+    for grp in groups:
+        k = len(grp)
+        if algorithm in (PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM):
+            nodes = Counter(r // per_node for r in grp)
+            gpus = Counter(r // per_gpu for r in grp)
+            for r in grp:
+                same_node, same_gpu = nodes[r // per_node], gpus[r // per_gpu]
+                counts = {"inter_node": k - same_node, "intra_node": same_node - same_gpu, "intra_gpu": same_gpu - 1}
+                if len(layout) == 2:
+                    counts = {"inter_node": k - same_node, "intra_node": same_node - 1}
+                for tier, n in counts.items():
+                    if n:
+                        add(tier, r, r, n / k)  # symmetric: as much in as out, for the rank and its node
+        else:
+            share = (2.0 if algorithm == RING_ALLREDUCE else 1.0) * (k - 1) / k
+            ring = sorted(grp)
+            for src, dst in zip(ring, ring[1:] + ring[:1]):
+                add(tier_between(src, dst, layout), src, dst, share)
+    return out, into
+
+
+@lru_cache(maxsize=4096)
+def _kind_footprint(layout: tuple, factors: tuple, kind: str, op: str, backend: str) -> Footprint:
+    spec = _GroupSpec(layout, factors)
+    groups = groups_of_kind(kind, spec)
+    return footprint(groups, layout, algorithm_of(op, groups[0], layout, backend))
+
+
+@dataclass(frozen=True)
+class _GroupSpec:
+    """The two facts ``groups_of_kind`` reads from a CommSpec, hashable for the cache."""
+    layout: tuple
+    factors: tuple
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for size in self.layout:
+            n *= size
+        return n
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.layout[0]
+
+    def resolved_factors(self) -> tuple:
+        return self.factors
+
+
+_LEDGER_ALGORITHM = {ALLGATHER: RING_ALLGATHER, REDUCE_SCATTER: RING_REDUCE_SCATTER, ALLREDUCE: RING_ALLREDUCE,
+                     ALL_TO_ALL: PAIRWISE_ALL_TO_ALL}
+
+
+@lru_cache(maxsize=4096)
+def _kind_sent_by_tier(layout: tuple, factors: tuple, kind: str, op: str) -> dict:
+    """{tier: bytes all ranks send per byte of B} under the ledger's rule (comm_model._sent_bytes)."""
+    groups = groups_of_kind(kind, _GroupSpec(layout, factors))
+    if len(groups[0]) == 1:
+        return {}
+    out, _ = _sends(groups, layout, _LEDGER_ALGORITHM[op])
+    return {tier: sum(per_domain.values()) for tier, per_domain in out.items() if per_domain}
+
+
+def ledger_bytes_by_tier(spec: CommSpec) -> dict:
+    """{tier: bytes all ranks send per step}: ``bytes_by_tier(predict_ledger(spec))`` without the
+    rank-by-rank walk (a world all-to-all at 384 ranks is 147k pairs per collective), for the planner."""
+    out: dict = {}
+    for col in step_collectives(spec):
+        for tier, share in _kind_sent_by_tier(spec.layout, spec.resolved_factors(), col.group, col.op).items():
+            out[tier] = out.get(tier, 0.0) + share * col.nbytes * col.count
+    return out
+
+
+def footprint_time_s(fp: Footprint, nbytes: float, hw: Hardware) -> float:
+    """One run of the algorithm on a B-byte buffer: steps x the slowest tier's latency + the most
+    loaded tier's bytes over its bandwidth."""
+    if fp.k == 1 or fp.slowest_tier is None:
+        return 0.0
+    bandwidth_s = max(nbytes * load / hw.link(fp.algorithm, tier).bandwidth
+                      for tier, load in fp.domain_load.items() if load > 0)
+    return fp.steps * hw.link(fp.algorithm, fp.slowest_tier).latency_s + bandwidth_s
+
+
+def collective_time_s(col: Collective, spec: CommSpec, hw: Hardware) -> float:
+    """All ``col.count`` runs of one collective, with its quantization kernels."""
+    fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
+    if fp.k == 1:
+        return 0.0
+    seconds = footprint_time_s(fp, col.nbytes, hw)
+    if col.bits:
+        seconds += quantized_elements(col, spec, fp.k) / hw.device.quantize_elements_per_s
+    return col.count * seconds
+
+
+def quantized_elements(col: Collective, spec: CommSpec, k: int) -> float:
+    """Elements through one quantize + dequantize: a gather quantizes its own chunk and dequantizes
+    all k; a reduction hop quantizes its input and dequantizes (and sums) it."""
+    bits, block = col.bits, spec.quant.block_size
+    elements = col.numel / (bits / 8 + 4 / block)  # the packed bytes back to elements
+    return elements * (1 + 1 / k) / 2 if col.op == ALLGATHER else elements
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepWork:
+    """The compute of one step, per rank: what the comm spec does not know."""
+    tokens_per_micro_batch: int
+    """Tokens one rank processes per micro-batch (micro batch size x sequence length)."""
+    unit_flops_per_token: tuple
+    """Forward model FLOPs per token of each unit (backward = 2x; ``megatron.zero_topo.model_inputs``)."""
+    prefetch_gathers: bool = True
+    overlap_comm: Optional[bool] = None
+    """None: from the spec (reductions_in_flight > 0)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step: seconds by phase (what the step waits for), totals and throughput."""
+    exposed_s: dict
+    """{phase or compute/recompute/optimizer: seconds on the step's critical path}."""
+    comm_s: dict
+    """{phase: seconds of communication before overlap}."""
+    model_flops: float
+    """Model FLOPs one rank does per step (no recompute), for TFLOPS."""
+    inter_node_comm_s: dict = field(default_factory=dict)
+    """{phase: seconds of the collectives that cross nodes}, before overlap."""
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+    @property
+    def hidden_s(self) -> float:
+        return sum(self.comm_s.values()) - sum(v for k, v in self.exposed_s.items() if k in self.comm_s)
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.total_s / 1e12 if self.total_s else 0.0
+
+
+class _Timeline:
+    """Adds windows of compute and communication to the critical path, attributing by phase."""
+
+    def __init__(self, efficiency: float):
+        self.efficiency, self.exposed = efficiency, {}
+
+    def add(self, name: str, seconds: float) -> None:
+        if seconds:
+            self.exposed[name] = self.exposed.get(name, 0.0) + seconds
+
+    def window(self, compute: dict, comm: list) -> None:
+        """Compute {name: s} with communication [(phase, s)] behind it."""
+        c, m = sum(compute.values()), sum(s for _, s in comm)
+        hidden = self.efficiency * min(c, m)
+        for name, s in compute.items():
+            self.add(name, s)
+        for phase, s in comm:
+            self.add(phase, s - hidden * s / m if m else 0.0)
+
+
+def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
+    """The predicted step (module docstring): per micro-batch, forward then backward unit by unit
+    with the engine's overlap, then the step boundary."""
+    missing = set(spec.tiers) - set(hw.links)
+    if missing:
+        raise CommModelError(f"hardware ({hw.source}) has no figures for tiers {sorted(missing)}")
+    units, a = len(spec.unit_numels), spec.micro_batches
+    if len(work.unit_flops_per_token) != units:
+        raise CommModelError(f"{len(work.unit_flops_per_token)} unit FLOP counts for {units} units")
+    per_micro, boundary, comm_s, inter = _comm_by_slot(spec, hw)
+    rate = hw.device.achieved_flops
+    fwd = [f * work.tokens_per_micro_batch / rate for f in work.unit_flops_per_token]
+    prefetch = work.prefetch_gathers
+    overlap = spec.reductions_in_flight > 0 if work.overlap_comm is None else work.overlap_comm
+    line = _Timeline(hw.device.overlap_efficiency)
+
+    def comm(slot: str, u: int, m: int) -> list:
+        return per_micro.get((slot, u, m), [])
+
+    for m in range(a):
+        for phase, s in comm("gather_f", 0, m):
+            line.add(phase, s)
+        for u in range(units):
+            ahead = comm("gather_f", u + 1, m) if u + 1 < units else []
+            line.window({COMPUTE: fwd[u]}, ahead if prefetch else [])
+            if not prefetch:
+                for phase, s in ahead:
+                    line.add(phase, s)
+        for u in reversed(range(units)):
+            behind = comm("gather_b", u - 1, m) if prefetch and u > 0 else []
+            if not prefetch:
+                for phase, s in comm("gather_b", u, m):
+                    line.add(phase, s)
+            if overlap and u + 1 < units:
+                behind = behind + comm("reduce", u + 1, m)
+            recompute = fwd[u] if u in spec.checkpointed_units else 0.0
+            line.window({COMPUTE: 2 * fwd[u], RECOMPUTE: recompute}, behind)
+            if not overlap:
+                for phase, s in comm("reduce", u, m):
+                    line.add(phase, s)
+            for phase, s in comm("reduce_sync", u, m):  # issued after the unit's backward, done at once
+                line.add(phase, s)
+        if overlap:
+            for phase, s in comm("reduce", 0, m):
+                line.add(phase, s)
+    for phase, s in boundary:
+        line.add(phase, s)
+    os_ = spec.resolved_factors()[2]
+    line.add(OPTIMIZER, sum(s // os_ for s in padded_unit_numels(spec)) / hw.device.optimizer_elements_per_s)
+    flops = 3 * sum(work.unit_flops_per_token) * work.tokens_per_micro_batch * a
+    return StepTime(line.exposed, comm_s, flops, inter)
+
+
+def _comm_by_slot(spec: CommSpec, hw: Hardware):
+    """Collective seconds by (slot, unit, micro-batch) for the per-micro-batch phases (slot gather_f,
+    gather_b, reduce), the step boundary's [(phase, s)], totals by phase and the cross-node totals."""
+    per_micro: dict = {}
+    boundary, totals, inter = [], {}, {}
+    a = spec.micro_batches
+    for col in step_collectives(spec):
+        seconds = collective_time_s(col, spec, hw)
+        if not seconds:
+            continue
+        totals[col.phase] = totals.get(col.phase, 0.0) + seconds
+        fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
+        if fp.domain_load.get("inter_node", 0.0) > 0:
+            inter[col.phase] = inter.get(col.phase, 0.0) + seconds
+        if col.phase in BOUNDARY_PHASES or col.phase == "eval_gather" or col.unit is None:
+            boundary.append((col.phase, seconds))
+            continue
+        slot = {"fwd_gather": "gather_f", "bwd_gather": "gather_b", "recompute_gather": "gather_b",
+                "grad_reduce": "reduce"}[col.phase]
+        if slot == "reduce" and hw.backend == "gloo" and fp.algorithm == RING_REDUCE_SCATTER:
+            slot = "reduce_sync"  # comm.py runs gloo's ring of sends itself, before returning
+        once = seconds / col.count
+        # A collective run every micro-batch (count a) lands in each; zeropp's world gather (count 1)
+        # in the first micro-batch, its node gathers (count a - 1) in the others.
+        first = 0 if col.count == a else (1 if col.phase == "fwd_gather" and _has_world_gather(spec, col) else 0)
+        for m in range(first, first + col.count):
+            per_micro.setdefault((slot, col.unit, min(m, a - 1)), []).append((col.phase, once))
+    return per_micro, boundary, totals, inter
+
+
+def _has_world_gather(spec: CommSpec, col: Collective) -> bool:
+    """zeropp's node gathers of a unit follow its world gather in micro-batch 0."""
+    return spec.is_zeropp and col.group == "node"
+
+
+def scaling_efficiency(tflops_by_nodes: Mapping) -> dict:
+    """{nodes: TFLOPS per device / TFLOPS per device at the smallest node count} (weak scaling)."""
+    if not tflops_by_nodes:
+        return {}
+    base = tflops_by_nodes[min(tflops_by_nodes)]
+    return {n: (t / base if base else 0.0) for n, t in sorted(tflops_by_nodes.items())}
+

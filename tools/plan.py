@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Every nested (w, g, os) layout (and ZeRO++) for a model on a machine, scored by the step-time model.
+
+    .venv/bin/python tools/plan.py configs/20B.yml --topology frontier --nodes 8,16,32,48
+    .venv/bin/python tools/plan.py configs/10B.yml --topology frontier --nodes 48 --memory-per-device 64GB \\
+        --quantization all --checkpointing both --top 20 --markdown
+    .venv/bin/python tools/plan.py configs/tiny-cpu.yml --topology sim --layout 2 2 2 --probe probe.json
+
+Per node count: each candidate's quantization bits per phase (weight gathers / micro-step gradient
+hops / cross-node gradients / refresh; 0 = the compute dtype), activation checkpointing, the
+memory model's peak per device, the bytes one rank sends per step on each tier, the predicted step
+time and model TFLOPS per device; ``*`` marks the best candidate that fits the memory budget (the
+same search ``zero_optimization.plan: auto`` runs, megatron/zero_topo/planner.py). The summary gives
+the best per node count and its scaling efficiency against the smallest count. Link and device
+figures are the topology preset's, or a probe's (tools/probe_links.py) with --probe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from megatron.config import ConfigError, load_config  # noqa: E402
+from megatron.topology import Topology  # noqa: E402
+from megatron.zero_topo.comm_model import CommModelError  # noqa: E402
+from megatron.zero_topo.model_inputs import padded_vocab_of, quant_spec_of  # noqa: E402
+from megatron.zero_topo.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
+                                        search)
+from megatron.zero_topo.time_model import Hardware, scaling_efficiency  # noqa: E402
+
+TIER_COLUMNS = ("inter_node", "intra_node", "intra_gpu")
+
+
+def parse_size(text: str) -> float:
+    """64GB, 64 GB, 64e9 or 64 (GB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*(GB|GiB|G)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 64GB)")
+    value = float(match.group(1))
+    unit = match.group(2)
+    return value * (2**30 if unit == "GiB" else 1e9) if unit or value < 1e6 else value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="+", help="the model's YAML files (merged as deepy.py does)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--topology", choices=("frontier", "dgx", "sim"), default="frontier")
+    p.add_argument("--nodes", default="8", help="comma-separated node counts (frontier, dgx)")
+    p.add_argument("--layout", type=int, nargs="+", help="sim: tier sizes, slowest first (e.g. 2 2 2)")
+    p.add_argument("--memory-per-device", type=parse_size, default=None, help="budget, e.g. 64GB (default: the device's)")
+    p.add_argument("--probe", help="a link probe JSON (tools/probe_links.py) instead of the preset's figures")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: gloo for sim, else nccl")
+    p.add_argument("--quantization", choices=("config", "all"), default="all",
+                   help=f"config: the configs' bits only; all: also {', '.join(QUANT_CHOICES)} (default)")
+    p.add_argument("--checkpointing", choices=("config", "on", "off", "both"), default="both")
+    p.add_argument("--no-zeropp", action="store_true", help="leave ZeRO++ (hpZ) out of the candidates")
+    p.add_argument("--top", type=int, default=12, help="rows per node count, fastest first (0 = all)")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", help="write every row here")
+    return p.parse_args(argv)
+
+
+def machine_overrides(args, nodes: int) -> list:
+    if args.topology == "sim":
+        if not args.layout:
+            raise ConfigError("--topology sim needs --layout (tier sizes, slowest first)")
+        return [f"topology.simulate=[{', '.join(map(str, args.layout))}]"]
+    return [f"topology.preset={args.topology}", f"num_nodes={nodes}"]
+
+
+def plan_nodes(args, nodes: int):
+    cfg = load_config(args.configs, [*args.overrides, *machine_overrides(args, nodes)], notices=[])
+    vocab = padded_vocab_of(cfg)
+    if vocab is None:
+        raise ConfigError("the vocabulary is unknown: set vocab_size (or make the tokenizer file readable)")
+    topology = Topology.from_config(cfg, cfg.topology.world_size)
+    backend = args.backend or ("gloo" if args.topology == "sim" else "nccl")
+    hw = Hardware.from_topology(topology, backend=backend)
+    if args.probe:
+        hw = hw.with_probe(args.probe, args.probe)
+    inputs = inputs_from_config(cfg, vocab, hw, args.memory_per_device)
+    quants = {"config": quant_spec_of(cfg.zero)}
+    if args.quantization == "all":
+        quants = {name: quant_spec(name, inputs.quant_block) for name in QUANT_CHOICES}
+    ckpt = {"config": (bool(cfg.model.checkpoint_activations),), "on": (True,), "off": (False,),
+            "both": (False, True)}[args.checkpointing]
+    return search(cfg.topology.layout, inputs, quants=quants, checkpointing=ckpt, include_zeropp=not args.no_zeropp)
+
+
+def row_cells(row, best) -> list:
+    c = row.candidate
+    bits = c.quant.phase_bits
+    w, g, os_ = row.factors
+    return ["*" if row is best else "", "zeropp" if c.layout.hpz else row.name, f"({w}, {g}, {os_})",
+            "/".join(str(bits[k]) for k in ("weight_gather_bits", "grad_reduce_bits", "cross_node_grad_bits",
+                                             "refresh_bits")),
+            "on" if c.checkpointed else "off", f"{row.peak_bytes / GB:.1f}", "yes" if row.feasible else "no",
+            *[f"{row.bytes_per_tier.get(t, 0.0) / GB:.2f}" for t in TIER_COLUMNS],
+            f"{row.time.total_s:.3f}", f"{row.time.tflops_per_device:.1f}"]
+
+
+HEADER = ["", "layout", "(w, g, os)", "bits w/g/x/r", "ckpt", "peak GB", "fits", "inter GB", "intra_node GB",
+          "intra_gpu GB", "step s", "TFLOPS"]
+
+
+def render(header: list, rows: list, markdown: bool) -> str:
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                         + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(r, widths)) for r in [header] + rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        counts = [int(n) for n in args.nodes.split(",")] if args.topology != "sim" else [0]
+        plans = {n: plan_nodes(args, n) for n in counts}
+    except (ConfigError, CommModelError, ValueError) as err:
+        print(f"plan: error: {err}", file=sys.stderr)
+        return 2
+    dump = {}
+    for n, plan in plans.items():
+        ordered = sorted(plan.rows, key=lambda r: (not r.feasible, r.time.total_s))
+        shown = ordered[:args.top] if args.top else ordered
+        if plan.best is not None and plan.best not in shown:
+            shown = [plan.best] + shown
+        where = f"{n} nodes" if n else f"layout {args.layout}"
+        print(f"\n{'### ' if args.markdown else ''}{where}: {len(plan.rows)} candidates, budget "
+              f"{plan.budget / GB:.1f} GB per device, figures {plan.source}\n")
+        print(render(HEADER, [row_cells(r, plan.best) for r in shown], args.markdown))
+        print(f"\nbest: {plan.reason()}" if plan.best else f"\nnone fits: {plan.reason()}")
+        dump[n] = [dict(zip(HEADER[1:], row_cells(r, plan.best)[1:])) | {"best": r is plan.best} for r in ordered]
+    best = {n: p.best.time.tflops_per_device for n, p in plans.items() if p.best}
+    if len(best) > 1:
+        eff = scaling_efficiency(best)
+        print(f"\n{'### ' if args.markdown else ''}summary: the best layout per node count\n")
+        print(render(["nodes", "best", "step s", "TFLOPS/device", "scaling efficiency"],
+                     [[str(n), describe(plans[n].best), f"{plans[n].best.time.total_s:.3f}", f"{best[n]:.1f}",
+                       f"{eff[n]:.3f}"] for n in best], args.markdown))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dump, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

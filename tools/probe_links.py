@@ -1,0 +1,304 @@
+#!/usr/bin/env python
+"""Measure the figures the step-time model reads, on the running job (docs/time_model.md, "The probe").
+
+    # on the emulated cluster: 2 nodes x 2 GPUs x 2 GCDs, one process per rank
+    python tools/emulate_cluster.py --nodes 2 --ranks-per-node 4 --rate 300mbit --command \\
+        ".venv/bin/python tools/probe_links.py --layout 2 2 2 --out /tmp/probe.json"
+    # on Frontier, inside an allocation of 8 nodes (srun sets RANK/WORLD_SIZE via the sbatch's env)
+    srun ... python tools/probe_links.py --layout 8 4 2 --dtype bf16 --model 2 6144 64 2048 50432 4 --out probe.json
+
+Every rank runs it (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). For each tier it
+makes the *band* groups (the ranks that differ only in that tier's digit: the GCD pairs, the GPUs of
+a node, one rank per node) and times, in all of them at once and through the engine's own
+``Communicator``, an all-gather, a reduce-scatter, an all-to-all and an all-reduce of a few buffer
+sizes; a line ``steps x latency + load / bandwidth`` fitted to each (algorithm, tier) gives the
+figures, with the load and steps the time model itself computes for those groups
+(``time_model.footprint``), so the two read the same numbers. Then, with every rank at once: the
+model's forward + backward (achieved FLOP/s), the AdamW update (elements/s), a quantize +
+dequantize (elements/s), and the overlap efficiency (a cross-node all-gather issued before a
+forward + backward: the share of min(compute, communication) that disappeared). Last, the world and
+node groups' all-gather and reduce-scatter are timed and set beside the fitted model's prediction
+(``checks``). Rank 0 writes the JSON (format ``neox-topo-link-probe/1``) that ``topology.link_figures``,
+``Hardware.with_probe`` and ``tools/plan.py --probe`` read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.topology import ProcessGroups, ShardFactors, Topology  # noqa: E402
+from megatron.topology.groups import RankGroup  # noqa: E402
+from megatron.zero_topo.comm import Communicator  # noqa: E402
+from megatron.zero_topo.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
+from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
+from megatron.zero_topo.time_model import PROBE_FORMAT, algorithm_of, footprint  # noqa: E402
+
+OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+MODEL_OP = {"all_gather": "allgather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
+            "all_reduce": "allreduce"}  # the comm model's names
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PHASE = "control"  # the ledger needs a phase; nothing reads the probe's ledger
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layout", type=int, nargs="+", required=True, help="tier sizes, slowest first: nodes gpus [gcds]")
+    p.add_argument("--out", required=True, help="the probe JSON (written by rank 0)")
+    p.add_argument("--sizes-kb", type=int, nargs="+", default=[64, 512, 4096], help="buffer sizes B in KiB")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="buffers and compute dtype")
+    p.add_argument("--model", type=int, nargs=6, default=[4, 256, 4, 128, 2048, 1],
+                   metavar=("LAYERS", "HIDDEN", "HEADS", "SEQ", "VOCAB", "MICRO_BATCH"),
+                   help="the GPT-NeoX whose forward + backward gives the achieved FLOP/s (untied)")
+    p.add_argument("--optimizer-elements", type=int, default=2_000_000)
+    p.add_argument("--timeout-s", type=float, default=300)
+    return p.parse_args(argv)
+
+
+def band_groups(layout: tuple, tier_index: int) -> list:
+    """The groups of ranks whose coordinates differ only in digit ``tier_index`` (slowest first)."""
+    n = math.prod(layout)
+    bands: dict = {}
+    for rank in range(n):
+        coords = rank_coords(rank, layout)
+        key = coords[:tier_index] + coords[tier_index + 1:]
+        bands.setdefault(key, []).append(rank)
+    return [sorted(g) for g in bands.values()]
+
+
+class Probe:
+    def __init__(self, args: argparse.Namespace, rank: int, device: torch.device, backend: str):
+        self.args, self.rank, self.device, self.backend = args, rank, device, backend
+        self.layout = tuple(args.layout)
+        self.topology = Topology.simulated(self.layout)
+        self.comm = Communicator(ProcessGroups(self.topology, ShardFactors(1, 1, 1), rank, create=False), device=device)
+        self.dtype = DTYPES[args.dtype]
+        self.kinds = {}  # name -> (all groups, this rank's RankGroup)
+        depth = len(self.layout)
+        for t, tier in enumerate(TIERS_BY_DEPTH[depth]):
+            if self.layout[t] > 1:
+                self._make(f"band:{tier}", band_groups(self.layout, t))
+        per_node = math.prod(self.layout[1:])
+        if per_node > 1 and depth == 3:
+            self._make("node", [list(range(b, b + per_node)) for b in range(0, math.prod(self.layout), per_node)])
+        self._make("world", [list(range(math.prod(self.layout)))])
+
+    def _make(self, name: str, groups: list) -> None:
+        mine = None
+        for ranks in groups:  # every rank creates every group, in the same order
+            handle = dist.new_group(ranks, timeout=timedelta(seconds=self.args.timeout_s)) if len(ranks) < dist.get_world_size() else dist.group.WORLD
+            if self.rank in ranks:
+                mine = RankGroup(name, tuple(ranks), handle)
+        self.kinds[name] = (groups, mine)
+
+    def slowest(self, seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def time_op(self, op: str, group: RankGroup, nbytes: int) -> float:
+        k = group.size
+        elems = max(nbytes // torch.tensor([], dtype=self.dtype).element_size() // k, 1) * k
+        full = torch.ones(elems, dtype=self.dtype, device=self.device)
+        part = torch.ones(elems // k, dtype=self.dtype, device=self.device)
+        runs = []
+        for _ in range(self.args.repeats + 1):  # the first run warms the connection up
+            dist.barrier()
+            start = time.perf_counter()
+            if op == "all_gather":
+                self.comm.all_gather(full, part, group, PHASE)
+            elif op == "reduce_scatter":
+                self.comm.reduce_scatter(part, full, group, PHASE)
+            elif op == "all_to_all":
+                self.comm.all_to_all(torch.empty_like(full), full, group, PHASE)
+            else:
+                self.comm.all_reduce(full, group, PHASE)
+            self._sync()
+            runs.append(self.slowest(time.perf_counter() - start))
+        return statistics.median(runs[1:])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def links(self) -> tuple[dict, list]:
+        """{algorithm: {tier: figures}} fitted on the band groups, and every sample."""
+        samples, fits = [], {}
+        for name, (groups, mine) in self.kinds.items():
+            if not name.startswith("band:"):
+                continue
+            tier = name.split(":", 1)[1]
+            for op in OPS:
+                algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
+                fp = footprint(groups, self.layout, algorithm)
+                points = []
+                for kb in self.args.sizes_kb:
+                    nbytes = kb * 1024
+                    seconds = self.time_op(op, mine, nbytes)
+                    points.append((nbytes * fp.domain_load[tier], seconds))
+                    samples.append({"group": name, "op": op, "algorithm": algorithm, "k": fp.k, "bytes": nbytes,
+                                    "seconds": seconds})
+                fits.setdefault(algorithm, {})[tier] = fit_line(points, fp.steps)
+        return fits, samples
+
+    def checks(self, fits: dict) -> list:
+        """The spanning groups timed, beside the fitted model's prediction."""
+        from megatron.zero_topo.time_model import Device, Hardware, footprint_time_s, _tier_link
+        tiers = {t: v for t, v in fits.get("ring_allgather", {}).items()}
+        hw = Hardware({t: _tier_link(v, "probe") for t, v in tiers.items()},
+                      Device("probe", 1, 1, 1, 0, 1), self.backend,
+                      {(a, t): _tier_link(v, "probe") for a, per in fits.items() for t, v in per.items()})
+        out = []
+        nbytes = self.args.sizes_kb[-1] * 1024
+        for name in ("node", "world"):
+            if name not in self.kinds:
+                continue
+            groups, mine = self.kinds[name]
+            for op in ("all_gather", "reduce_scatter"):
+                algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
+                measured = self.time_op(op, mine, nbytes)
+                predicted = footprint_time_s(footprint(groups, self.layout, algorithm), nbytes, hw)
+                out.append({"group": name, "op": op, "algorithm": algorithm, "bytes": nbytes,
+                            "measured_s": measured, "predicted_s": predicted})
+        return out
+
+    # -- the device ----------------------------------------------------------------------------------
+    def model(self):
+        from megatron.model import GPTNeoX
+        layers, hidden, heads, seq, vocab, micro = self.args.model
+        cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
+                          max_position_embeddings=seq, no_weight_tying=True)
+        torch.manual_seed(0)
+        model = GPTNeoX(cfg, vocab).to(self.device)
+        tokens = torch.randint(0, vocab, (micro, seq + 1), device=self.device)
+        flops = 3 * sum(unit_flops_per_token(cfg, vocab)) * micro * seq
+        return model, tokens, flops
+
+    def forward_backward(self, model, tokens) -> None:
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        self._sync()
+
+    def timed_all(self, fn, repeats: int) -> float:
+        runs = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            runs.append(self.slowest(time.perf_counter() - start))
+        return statistics.median(runs[1:])
+
+    def device_figures(self) -> dict:
+        from megatron.ops.quant import get_quantizer
+        from megatron.zero_topo.optimizer import AdamWHyper, adamw_update
+        model, tokens, flops = self.model()
+        compute_s = self.timed_all(lambda: self.forward_backward(model, tokens), self.args.repeats)
+        n = self.args.optimizer_elements
+        bufs = [torch.rand(n, device=self.device) for _ in range(4)]
+        hyper = AdamWHyper(0.9, 0.95, 1e-8, 0.01)
+        adam_s = self.timed_all(lambda: adamw_update(*bufs, [(0, n)], lr=1e-4, step=1, hyper=hyper), self.args.repeats)
+        quantizer = get_quantizer("auto", device=self.device)
+        x = torch.randn(n - n % 256, device=self.device)
+
+        def quantize_round_trip() -> None:
+            codes, scales = quantizer.quantize(x, bits=8, block=256)
+            quantizer.dequantize(codes, scales, bits=8, block=256, numel=x.numel(), dtype=torch.float32)
+        quant_s = self.timed_all(quantize_round_trip, self.args.repeats)
+        figures = {"achieved_flops": flops / compute_s, "optimizer_elements_per_s": n / adam_s,
+                   "quantize_elements_per_s": x.numel() / quant_s,
+                   "overlap_efficiency": self.overlap_efficiency(model, tokens, compute_s)}
+        if self.device.type == "cuda":
+            figures["memory_bytes"] = float(torch.cuda.get_device_properties(self.device).total_memory)
+        return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s}
+
+    def overlap_efficiency(self, model, tokens, compute_s: float) -> float:
+        """(Tc + Tm - Tboth) / min(Tc, Tm) for a cross-node (else the slowest band's) all-gather."""
+        name = next(n for n in self.kinds if n.startswith("band:"))
+        _groups, group = self.kinds[name]
+        k = group.size
+        elems = self.args.sizes_kb[-1] * 1024 // 4 // k * k
+        full, part = torch.empty(elems, device=self.device), torch.ones(elems // k, device=self.device)
+
+        def comm_only() -> None:
+            _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
+            pending.wait()
+
+        def both() -> None:
+            _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
+            self.forward_backward(model, tokens)
+            pending.wait()
+        comm_s = self.timed_all(comm_only, self.args.repeats)
+        both_s = self.timed_all(both, self.args.repeats)
+        hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
+        return min(max(hidden, 0.0), 1.0)
+
+
+def fit_line(points: list, steps: int) -> dict:
+    """seconds = steps x latency + load / bandwidth, least squares over (load bytes, seconds); a
+    negative intercept is read as no latency, a slope <= 0 (noise) as the fastest point's rate."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:
+        slope = min(y / x for x, y in points if x > 0)
+    intercept = max(mean_y - slope * mean_x, 0.0)
+    return {"bandwidth_gbs": 1.0 / slope / 1e9, "latency_us": intercept / max(steps, 1) * 1e6}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if math.prod(args.layout) != world:
+        print(f"probe_links: --layout {args.layout} has {math.prod(args.layout)} ranks, WORLD_SIZE is {world}",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # one core per rank, as the emulated cluster's ranks train
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout_s))
+    started = time.monotonic()
+    probe = Probe(args, rank, device, backend)
+    fits, samples = probe.links()
+    device_part = probe.device_figures()
+    checks = probe.checks(fits)
+    if rank == 0:
+        result = {"format": PROBE_FORMAT, "layout": list(args.layout), "backend": backend,
+                  "device_type": device.type, "dtype": args.dtype, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": "tools/probe_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "tiers": fits.get("ring_allgather", {}), "algorithms": fits, "device": device_part.pop("figures"),
+                  "device_timings": device_part, "samples": samples, "checks": checks,
+                  "wall_s": round(time.monotonic() - started, 1)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, args.out)
+        print(f"probe_links: {len(samples)} samples in {result['wall_s']} s; wrote {args.out}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # FIELD_NOTES: gloo's C++ teardown can abort after the work is done
+
+
+if __name__ == "__main__":
+    sys.exit(main())
