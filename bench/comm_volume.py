@@ -21,13 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.topology.layout import display_name, preset_of_display_name  # noqa: E402
 from megatron.zero_topo.comm_model import (  # noqa: E402
     PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
 from megatron.zero_topo.comm_time import FRONTIER, simulate_step_time  # noqa: E402
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
 
-LABELS = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}
-ALIASES = {label: preset for preset, label in LABELS.items()}
 # Quantized variants: label -> (preset, DeepSpeed-style switches; bits follow engine.md's defaults).
 QUANTIZED = {"zero_topo-q": ("zero_topo", dict(quantized_weights=True, quantized_gradients=True)),
              "zeropp-q": ("zeropp", dict(quantized_weights=True, quantized_gradients=True))}
@@ -83,7 +82,7 @@ def main(argv=None) -> None:
     summary = []
     labels = args.presets + ([q for q in QUANTIZED if q not in args.presets] if args.quantized else [])
     for label in labels:
-        preset, switches = QUANTIZED.get(label, (ALIASES.get(label, label), None))
+        preset, switches = QUANTIZED.get(label, (preset_of_display_name(label), None))
         quant = (QuantSpec.from_settings(**switches, block_size=args.block_size, error_feedback=args.error_feedback)
                  if switches else QuantSpec())
         for a in args.micro_batches:
@@ -101,7 +100,7 @@ def main(argv=None) -> None:
             totals = [sum(ledger.get((p, t), 0) for p in PHASES) / n for t in tiers]
             rows.append(["total"] + [f"{b / GB:.3f}" for b in totals])
             rows.append(["x P"] + [f"{b / params:.4f}" for b in totals])
-            name = label if switches else LABELS.get(preset, preset)
+            name = label if switches else display_name(preset)
             heading(f"{name}, gradient accumulation {a}: GB per rank per optimizer step", args.markdown)
             print(table(["phase"] + tiers, rows, args.markdown) + "\n")
             memory = predict_model_state_bytes(spec)["per_rank"]["total"]

@@ -15,7 +15,7 @@ from megatron.config.schema import ZeroConfig
 from megatron.dry_run import render_dry_run
 from megatron.launcher import plan_launch
 from megatron.topology import ProcessGroups, ShardChunks, ShardFactors, ShardLayout, Topology, TopologyError
-from megatron.topology.layout import NAMED_PRESETS
+from megatron.topology.layout import NAMED_PRESETS, STAGE_PRESETS, display_name, preset_of_display_name
 from megatron.zero_topo.comm_model import CommModelError, CommSpec, groups_of_kind
 from megatron.zero_topo.model_inputs import comm_spec_from_config
 from megatron.zero_topo.setup import layout_and_topology
@@ -125,6 +125,18 @@ def test_refusals():
 def test_the_config_preset_key_accepts_the_layouts_named_presets():
     preset = next(f for f in fields(ZeroConfig) if f.name == "preset")
     assert set(preset.metadata["choices"]) == set(NAMED_PRESETS)
+
+
+def test_display_names_are_the_config_files_of_the_presets():
+    """One stage-to-name table (layout.STAGE_DISPLAY_NAMES), read by the logs (run_history) and the
+    benchmarks (comm_volume): each display name is the configs/<name>.yml that selects the preset."""
+    for preset in STAGE_PRESETS + NAMED_PRESETS:
+        name = display_name(preset)
+        assert preset_of_display_name(name) == preset
+        cfg = load_config([str(REPO / "configs" / "sim-2x2x2.yml"), str(REPO / "configs" / f"{name}.yml")],
+                          notices=[])
+        assert ShardLayout.from_config(cfg).preset == preset
+    assert [display_name(p) for p in STAGE_PRESETS] == ["ddp", "zero1", "zero2", "zero3"]
 
 
 def test_the_comm_model_imports_no_engine_module():

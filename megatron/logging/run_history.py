@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
 
+from megatron.topology.layout import display_name
 from megatron.zero_topo.comm_model import QuantSpec
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_LOSS = "train/lm_loss"
 VALID_LOSS = "validation/lm_loss"
 TOKENS_FIELD = "tokens"  # used as the x axis when a run's records carry it (e.g. runs from elsewhere)
-# The stage presets under the names users give them (configs/zero3.yml, ...).
-STAGE_NAMES = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}
 
 
 class RunError(ValueError):
@@ -104,7 +103,7 @@ def preset_label(config: dict) -> str:
     feedback)``: the layout's preset and the quantization the engine ran with."""
     zero = config.get("zero") or {}
     name = zero.get("resolved_preset") or "?"
-    name = STAGE_NAMES.get(name, name)
+    name = display_name(name)
     quant = QuantSpec.from_settings(
         bool(zero.get("zero_quantized_weights")), bool(zero.get("zero_quantized_gradients")),
         bool(zero.get("zero_quantized_refresh")), error_feedback=bool(zero.get("quantization_error_feedback")),

@@ -20,6 +20,9 @@ from megatron.topology.topology import Topology, TopologyError
 
 # zero_optimization.stage k is the preset STAGE_PRESETS[k].
 STAGE_PRESETS = ("stage0", "stage1", "stage2", "stage3")
+# The stage presets under the names users give them (configs/ddp.yml, zero1.yml, ...): what tables,
+# logs and benchmarks print. The named presets display as themselves (``display_name``).
+STAGE_DISPLAY_NAMES = {"stage0": "ddp", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}
 # The presets `zero_optimization.preset` accepts (the stages have their own key).
 NAMED_PRESETS = ("hsdp", "zeropp", "zero_topo")
 PRESETS = STAGE_PRESETS + NAMED_PRESETS
@@ -59,6 +62,16 @@ def validate_factors(world_size: int, w: int, g: int, os: int) -> ShardFactors:
             raise TopologyError(f"(w, g, os) = ({w}, {g}, {os}) must satisfy w | g | os | N = {world_size}: "
                                 f"{small}={a} does not divide {big}={b}")
     return ShardFactors(w, g, os)
+
+
+def display_name(preset: str) -> str:
+    """``zero3`` for ``stage3`` (STAGE_DISPLAY_NAMES); any other preset name unchanged."""
+    return STAGE_DISPLAY_NAMES.get(preset, preset)
+
+
+def preset_of_display_name(name: str) -> str:
+    """The inverse of ``display_name``: ``stage3`` for ``zero3``; any other name unchanged."""
+    return {label: preset for preset, label in STAGE_DISPLAY_NAMES.items()}.get(name, name)
 
 
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
