@@ -32,6 +32,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -262,6 +263,32 @@ def fit_line(points: list, steps: int) -> dict:
     return {"bandwidth_gbs": 1.0 / slope / 1e9, "latency_us": intercept / max(steps, 1) * 1e6}
 
 
+def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend: str,
+              argv: Optional[list] = None) -> Optional[dict]:
+    """Every measurement, in an initialised process group of prod(--layout) ranks; rank 0 writes
+    --out atomically and returns what it wrote, the other ranks return None."""
+    started = time.monotonic()
+    probe = Probe(args, rank, device, backend)
+    fits, samples = probe.links()
+    device_part = probe.device_figures()
+    checks = probe.checks(fits)
+    result = None
+    if rank == 0:
+        result = {"format": PROBE_FORMAT, "layout": list(args.layout), "backend": backend,
+                  "device_type": device.type, "dtype": args.dtype, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": "tools/probe_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "tiers": fits.get("ring_allgather", {}), "algorithms": fits, "device": device_part.pop("figures"),
+                  "device_timings": device_part, "samples": samples, "checks": checks,
+                  "wall_s": round(time.monotonic() - started, 1)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, args.out)
+        print(f"probe_links: {len(samples)} samples in {result['wall_s']} s; wrote {args.out}", flush=True)
+    dist.barrier()
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -277,24 +304,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout_s))
-    started = time.monotonic()
-    probe = Probe(args, rank, device, backend)
-    fits, samples = probe.links()
-    device_part = probe.device_figures()
-    checks = probe.checks(fits)
-    if rank == 0:
-        result = {"format": PROBE_FORMAT, "layout": list(args.layout), "backend": backend,
-                  "device_type": device.type, "dtype": args.dtype, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "command": "tools/probe_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "tiers": fits.get("ring_allgather", {}), "algorithms": fits, "device": device_part.pop("figures"),
-                  "device_timings": device_part, "samples": samples, "checks": checks,
-                  "wall_s": round(time.monotonic() - started, 1)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, args.out)
-        print(f"probe_links: {len(samples)} samples in {result['wall_s']} s; wrote {args.out}", flush=True)
-    dist.barrier()
+    run_probe(args, rank, device, backend, argv)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # FIELD_NOTES: gloo's C++ teardown can abort after the work is done

@@ -91,15 +91,15 @@ class Plan:
         """One paragraph: what was chosen and why (the runner-up, the budget, the figures' source)."""
         if self.best is None:
             smallest = min(self.rows, key=lambda r: r.peak_bytes)
-            return (f"no layout fits {self.budget / GB:.1f} GB per device: the smallest peak is "
-                    f"{smallest.peak_bytes / GB:.1f} GB ({describe(smallest)})")
+            return (f"no layout fits {self.budget / GB:.3g} GB per device: the smallest peak is "
+                    f"{smallest.peak_bytes / GB:.3g} GB ({describe(smallest)})")
         best = self.best
         feasible = [r for r in self.rows if r.feasible]
         others = sorted((r for r in feasible if r is not best), key=_score)
-        runner = f"; next {describe(others[0])} at {others[0].time.total_s:.3f} s" if others else ""
-        return (f"{describe(best)}: predicted {best.time.total_s:.3f} s per step, "
-                f"{best.time.tflops_per_device:.1f} TFLOPS per device, peak {best.peak_bytes / GB:.2f} GB of "
-                f"{self.budget / GB:.1f} GB; {len(feasible)} of {len(self.rows)} candidates fit{runner}; "
+        runner = f"; next {describe(others[0])} at {others[0].time.total_s:.4g} s" if others else ""
+        return (f"{describe(best)}: predicted {best.time.total_s:.4g} s per step, "
+                f"{best.time.tflops_per_device:.3g} TFLOPS per device, peak {best.peak_bytes / GB:.3g} GB of "
+                f"{self.budget / GB:.3g} GB; {len(feasible)} of {len(self.rows)} candidates fit{runner}; "
                 f"figures: {self.source}")
 
 
