@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_deepy, tiny_run_config
+from megatron.logging.run_history import read_run
 
 TOOL = REPO / "tools" / "loss_curves.py"
 STEPS = 6
@@ -124,6 +125,20 @@ def test_a_resumed_run_keeps_the_latest_record_of_each_iteration(two_runs, tmp_p
     original = {r["iteration"]: r["train/lm_loss"] for r in first if "train/lm_loss" in r}
     assert by_step == {**{i: original[i] for i in (1, 2, 3)}, 4: original[4] + 1.0, 5: original[5] + 1.0}
     assert rows[2]["valid_loss"] != ""  # the step-3 evaluation, before the restart point, stays
+
+
+def test_an_eval_record_of_an_earlier_checkpoint_is_not_a_restart(two_runs, tmp_path):
+    """eval.py appends {"iteration": <checkpoint's step>, "eval/...": ...} to the run's metrics.jsonl;
+    scoring an earlier checkpoint must not read as a resumed attempt dropping the later steps."""
+    run = tmp_path / "evaluated"
+    shutil.copytree(two_runs["zero3_s1"], run)
+    first = records(run)
+    write_records(run, first + [{"iteration": 2, "eval/validation/lm_loss": 9.0, "eval/validation/ppl": 8103.08}])
+    history = read_run(run)
+    trained = sorted(r["iteration"] for r in first if "train/lm_loss" in r)
+    assert history.restarts == 0
+    assert sorted(history.series["train/lm_loss"]) == trained
+    assert history.series["eval/validation/lm_loss"] == {2: 9.0}
 
 
 def _one_line_error(args: list[str], capsys) -> str:

@@ -9,8 +9,10 @@ Restarts: a resumed run appends to the same file from the step after its checkpo
 repeat. Records are read in file order, and one whose iteration is lower than an iteration already
 read starts a new attempt: everything logged from that iteration on is dropped and the new records
 take its place. So the latest record wins, and steps a crashed attempt logged past its checkpoint do
-not linger while the resumed attempt has not reached them yet. A line that is not a JSON record (a
-run killed in the middle of writing one) is skipped and counted.
+not linger while the resumed attempt has not reached them yet. Only a training record (one with a
+``train/`` metric) can start an attempt: eval.py appends its ``eval/`` record at the iteration of
+the checkpoint it scored, often an earlier one, and that must not erase the steps after it. A line
+that is not a JSON record (a run killed in the middle of writing one) is skipped and counted.
 """
 from __future__ import annotations
 
@@ -152,13 +154,15 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunHistory:
         except (ValueError, TypeError, KeyError):
             run.skipped_lines += 1
             continue
-        if highest is not None and iteration < highest:  # a new attempt: drop what it redoes
+        trains = any(key.startswith("train/") for key in record)
+        if trains and highest is not None and iteration < highest:  # a new attempt: drop what it redoes
             run.restarts += 1
             for values in (*run.series.values(), run.tokens):
                 for stale in [i for i in values if i >= iteration]:
                     del values[stale]
             highest = iteration
-        highest = iteration if highest is None else max(highest, iteration)
+        if trains:
+            highest = iteration if highest is None else max(highest, iteration)
         for key, value in record.items():
             number = _number(value)
             if key == "iteration" or number is None:
