@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.topology.layout import display_name, preset_of_display_name  # noqa: E402
 from megatron.zero_topo.comm_model import (  # noqa: E402
     PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
-from megatron.zero_topo.comm_time import FRONTIER, simulate_step_time  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.topology import Topology  # noqa: E402
+from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
+from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, Hardware, StepWork, step_time  # noqa: E402
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
 
 # Quantized variants: label -> (preset, DeepSpeed-style switches; bits follow engine.md's defaults).
@@ -51,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantized", action="store_true", help="append the quantized variants to --presets")
     p.add_argument("--block-size", type=int, default=2048, help="quantization block of the quantized variants")
     p.add_argument("--error-feedback", action="store_true", help="quantized variants keep error-feedback residuals")
-    p.add_argument("--tokens-per-micro-batch", type=int, default=2048, help="per rank, for the step time")
+    p.add_argument("--tokens-per-micro-batch", type=int, default=2048,
+                   help="per rank, for the step time: the sequence length, one sequence per micro-batch")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     return p.parse_args(argv)
 
@@ -79,6 +83,14 @@ def main(argv=None) -> None:
           f"{'tied' if args.tied else 'untied'}: {params:,} parameters in {len(units)} units")
     print(f"layout {' x '.join(map(str, layout))} = {n} ranks; compute dtype {args.dtype_bytes} bytes; "
           f"bytes per rank = all ranks' bytes / {n}; 'x P' = bytes per rank / parameter count\n")
+    model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                        seq_length=args.tokens_per_micro_batch, max_position_embeddings=args.tokens_per_micro_batch,
+                        intermediate_size=args.intermediate, no_weight_tying=not args.tied)
+    flops = unit_flops_per_token(model, args.vocab)
+    # Frontier's figures (time_model.py): the layout's tiers, MI250X GCDs, RCCL.
+    hardware = Hardware.from_topology(Topology.simulated(layout), device="mi250x_gcd", backend="nccl")
+    engine = StepWork(args.tokens_per_micro_batch, flops)
+    serial = StepWork(args.tokens_per_micro_batch, flops, prefetch_gathers=False, overlap_comm=False)
     summary = []
     labels = args.presets + ([q for q in QUANTIZED if q not in args.presets] if args.quantized else [])
     for label in labels:
@@ -104,17 +116,21 @@ def main(argv=None) -> None:
             heading(f"{name}, gradient accumulation {a}: GB per rank per optimizer step", args.markdown)
             print(table(["phase"] + tiers, rows, args.markdown) + "\n")
             memory = predict_model_state_bytes(spec)["per_rank"]["total"]
-            time = simulate_step_time(spec, FRONTIER, args.tokens_per_micro_batch)
+            timed = step_time(spec, hardware, engine)
+            flat = step_time(spec, hardware, serial)
+            compute = sum(flat.exposed_s.get(k, 0.0) for k in (COMPUTE, RECOMPUTE, OPTIMIZER))
             inter = totals[tiers.index("inter_node")]
             summary.append([name, str(a), f"{inter / GB:.2f}", f"{inter / params:.3f}",
                             f"{inter / params / a:.3f}", f"{memory / GB:.1f}",
-                            f"{time.compute_s:.2f}", f"{time.comm_total_s:.2f}", f"{time.no_overlap_s:.2f}",
-                            f"{time.prefetch_s:.2f}"])
+                            f"{compute:.2f}", f"{sum(flat.comm_s.values()):.2f}", f"{flat.total_s:.2f}",
+                            f"{timed.total_s:.2f}"])
     heading("summary (inter-node GB per rank per step; x P = / parameters; states = model states per rank;"
-            " times from the Frontier link model: step s = compute + comm, nothing overlapped; prefetch s ="
-            " the weight gathers hidden behind compute, as prefetch_gathers does)", args.markdown)
+            " times from the step-time model, megatron/zero_topo/time_model.py, on Frontier's figures: compute s"
+            " = forward, backward, recompute and optimizer; step s = compute + comm, nothing overlapped;"
+            " overlapped s = the engine's schedule, prefetched gathers and overlapped gradient reduction)",
+            args.markdown)
     print(table(["preset", "A", "inter GB", "x P", "x P / micro-step", "states GB", "compute s", "comm s",
-                 "step s", "prefetch s"], summary, args.markdown))
+                 "step s", "overlapped s"], summary, args.markdown))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ import pytest
 
 from megatron.zero_topo.comm_model import (
     CommSpec, bytes_by_tier, groups_of_kind, predict_ledger, ring_hops, tier_between, transformer_block_units)
-from megatron.zero_topo.comm_time import FRONTIER, Hardware, TierLink, domain_load_fractions, simulate_step_time
+from megatron.topology import Topology
+from megatron.zero_topo.time_model import COMPUTE, RECOMPUTE, Hardware, StepWork, TierLink, footprint, step_time
 from megatron.zero_topo.memory_model import neox_unit_sizes
 
 UNITS = (1000, 3333, 3333, 3333, 777)
@@ -87,55 +88,67 @@ def test_every_kind_partitions_the_world():
         assert members == list(range(12)), kind
 
 
-def test_load_fractions_of_a_world_ring():
-    # World group on 2 x 2 x 2: a node must take in the other node's half of the buffer, a GPU the
-    # other GPU's 2 of 8 chunks, a rank its partner's 1 of 8 chunks.
-    spec = CommSpec(UNITS, (2, 2, 2), preset="stage3")
-    assert domain_load_fractions("world", spec) == {"inter_node": 0.5, "intra_node": 0.25, "intra_gpu": 0.125}
-    # Cross pairs {r, r+4}: each node takes in 4 concurrent halves; nothing moves inside the node.
-    spec = CommSpec(UNITS, (2, 2, 2), preset="zero_topo")
-    assert domain_load_fractions("cross", spec) == {"inter_node": 2.0, "intra_node": 0.0, "intra_gpu": 0.0}
+def frontier(layout) -> Hardware:
+    return Hardware.from_topology(Topology.simulated(layout), device="mi250x_gcd", backend="nccl")
+
+
+def work(units, overlap: bool = True) -> StepWork:
+    # one 2048-token micro-batch per rank; FLOPs per token of each unit ~ 2 x its parameters
+    return StepWork(2048, tuple(2.0 * p for p in units), prefetch_gathers=overlap, overlap_comm=overlap)
+
+
+def compute_of(t) -> float:
+    return t.exposed_s.get(COMPUTE, 0.0) + t.exposed_s.get(RECOMPUTE, 0.0)
+
+
+def test_a_node_ordered_world_ring_crosses_each_node_boundary_once():
+    # World ring on 2 x 2 x 2: 0..7 in order, so one hop leaves each node (3 -> 4, 7 -> 0) carrying
+    # 7/8 of B, one leaves each GPU, and every rank sends 7/8 of B to its next member.
+    fp = footprint([list(range(8))], (2, 2, 2), "ring_allgather")
+    assert fp.domain_load == {"inter_node": 0.875, "intra_node": 0.875, "intra_gpu": 0.875}
+    # Cross pairs {r, r+4}: a node sends its 4 ranks' halves at once; nothing moves inside the node.
+    pairs = groups_of_kind("cross", CommSpec(UNITS, (2, 2, 2), preset="zero_topo"))
+    assert footprint(pairs, (2, 2, 2), "ring_allgather").domain_load == {
+        "inter_node": 2.0, "intra_node": 0.0, "intra_gpu": 0.0}
 
 
 def test_step_time_responds_to_bandwidth_and_compute():
     units = neox_unit_sizes(4, 512, 8, 1024)
     spec = CommSpec(units, (4, 4, 2), preset="zero_topo", micro_batches=2, compute_bytes=2)
-    base = simulate_step_time(spec, FRONTIER, tokens_per_micro_batch=2048)
-    faster_links = Hardware(links={t: TierLink(2 * link.bandwidth, link.latency_s)
-                                   for t, link in FRONTIER.links.items()},
-                            peak_flops=FRONTIER.peak_flops, mfu=FRONTIER.mfu)
-    fast = simulate_step_time(spec, faster_links, tokens_per_micro_batch=2048)
-    assert fast.compute_s == base.compute_s
-    assert 0 < fast.comm_total_s < base.comm_total_s
-    assert base.full_overlap_s <= base.no_overlap_s
-    more = simulate_step_time(CommSpec(units, (4, 4, 2), preset="zero_topo", micro_batches=4, compute_bytes=2),
-                              FRONTIER, tokens_per_micro_batch=2048)
-    assert more.compute_s == pytest.approx(2 * base.compute_s)
+    hw = frontier((4, 4, 2))
+    base = step_time(spec, hw, work(units, overlap=False))
+    faster = Hardware({t: TierLink(2 * link.bandwidth, link.latency_s) for t, link in hw.links.items()},
+                      hw.device, hw.backend)
+    fast = step_time(spec, faster, work(units, overlap=False))
+    assert compute_of(fast) == compute_of(base)
+    assert 0 < sum(fast.comm_s.values()) < sum(base.comm_s.values())
+    assert step_time(spec, hw, work(units)).total_s <= base.total_s
+    more = step_time(CommSpec(units, (4, 4, 2), preset="zero_topo", micro_batches=4, compute_bytes=2), hw,
+                     work(units, overlap=False))
+    assert compute_of(more) == pytest.approx(2 * compute_of(base))
     assert set(base.comm_s) <= {"fwd_gather", "bwd_gather", "grad_reduce", "cross_grad_reduce", "refresh", "control"}
 
 
 def test_zero_topo_is_faster_than_zero3_across_slow_links():
     # 20B shape, 48 Frontier nodes, 8 micro-batches: zero3 moves ~6 x params per GCD over the NICs.
     units = neox_unit_sizes(44, 6144, 64, 50432)
-    times = {p: simulate_step_time(CommSpec(units, (48, 4, 2), preset=p, micro_batches=8, compute_bytes=2),
-                                   FRONTIER, tokens_per_micro_batch=2048)
+    hw = frontier((48, 4, 2))
+    times = {p: step_time(CommSpec(units, (48, 4, 2), preset=p, micro_batches=8, compute_bytes=2), hw,
+                          work(units, overlap=False))
              for p in ("stage3", "zero_topo")}
-    assert times["zero_topo"].comm_total_s < times["stage3"].comm_total_s
-    assert times["zero_topo"].compute_s == times["stage3"].compute_s
+    assert sum(times["zero_topo"].comm_s.values()) < sum(times["stage3"].comm_s.values())
+    assert compute_of(times["zero_topo"]) == compute_of(times["stage3"])
+    assert sum(times["zero_topo"].inter_node_comm_s.values()) < sum(times["stage3"].inter_node_comm_s.values()) / 4
 
 
-def test_prefetch_hides_only_the_weight_gathers():
+def test_overlap_hides_communication_only_where_the_engine_overlaps():
     units = neox_unit_sizes(4, 512, 8, 1024)
-    for preset, gathers in (("stage3", True), ("zero_topo", True), ("stage1", False)):
-        t = simulate_step_time(CommSpec(units, (4, 4, 2), preset=preset, micro_batches=2, compute_bytes=2),
-                               FRONTIER, tokens_per_micro_batch=2048)
-        hidden = sum(s for p, s in t.comm_s.items() if p.endswith("_gather"))
-        assert (hidden > 0) == gathers
-        assert t.full_overlap_s <= t.prefetch_s <= t.no_overlap_s
-        assert t.prefetch_s == pytest.approx(t.no_overlap_s - min(hidden, t.compute_s))
-    # A compute too short to hide the gathers behind: the gathers are the critical path.
-    fast_compute = Hardware(links=FRONTIER.links, peak_flops=FRONTIER.peak_flops * 1e6, mfu=FRONTIER.mfu)
-    t = simulate_step_time(CommSpec(units, (4, 4, 2), preset="stage3", compute_bytes=2), fast_compute, 2048)
-    gathers = t.comm_s["fwd_gather"] + t.comm_s["bwd_gather"]
-    assert t.prefetch_s == pytest.approx(t.comm_total_s)
-    assert gathers > t.compute_s
+    hw = frontier((4, 4, 2))
+    for preset, micro_step_comm in (("stage3", True), ("zero_topo", True), ("stage1", False)):
+        spec = CommSpec(units, (4, 4, 2), preset=preset, micro_batches=2, compute_bytes=2)
+        flat, overlapped = step_time(spec, hw, work(units, overlap=False)), step_time(spec, hw, work(units))
+        assert overlapped.total_s <= flat.total_s
+        assert (overlapped.hidden_s > 0) == micro_step_comm, preset
+        # the step boundary and control overlap nothing
+        for phase in ("cross_grad_reduce", "refresh", "replica_allreduce", "control"):
+            assert overlapped.exposed_s.get(phase, 0.0) == pytest.approx(flat.exposed_s.get(phase, 0.0))

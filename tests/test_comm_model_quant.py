@@ -18,7 +18,8 @@ import pytest
 from megatron.zero_topo.comm_model import (
     CommModelError, CommSpec, QuantSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
     predict_ledger_per_rank, transformer_block_units)
-from megatron.zero_topo.comm_time import FRONTIER, domain_load_fractions, simulate_step_time
+from megatron.topology import Topology
+from megatron.zero_topo.time_model import Hardware, StepWork, footprint, step_time
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes
 
 UNITS = (100, 240, 240, 96)
@@ -296,11 +297,10 @@ def test_per_rank_sums_to_total_with_all_to_alls(preset):
 
 def test_all_to_all_link_load():
     # World all-to-all on 2 x 2 x 2: each of a node's 4 ranks takes 1/8 of B from each of the other
-    # node's 4 ranks (4 x 4 / 8 = 2.0); a GPU's 2 ranks from the other GPU's 2 (2 x 2 / 8 = 0.5);
-    # a rank from its partner (1 / 8).
-    spec = CommSpec(UNITS, LAYOUT, preset="stage3")
-    assert domain_load_fractions("world", spec, "all_to_all") == {
-        "inter_node": 2.0, "intra_node": 0.5, "intra_gpu": 0.125}
+    # node's 4 ranks through the node's NICs (4 x 4 / 8 = 2.0); in the node a rank takes 1/8 from
+    # each of the other GPU's 2 ranks (2 / 8) and from its partner (1 / 8) over its own links.
+    assert footprint([list(range(8))], LAYOUT, "all_to_all").domain_load == {
+        "inter_node": 2.0, "intra_node": 0.25, "intra_gpu": 0.125}
 
 
 def test_quantized_zero_topo_20b_on_48_nodes():
@@ -314,8 +314,10 @@ def test_quantized_zero_topo_20b_on_48_nodes():
         quantized = CommSpec(units, (48, 4, 2), preset="zero_topo", micro_batches=a, compute_bytes=2, quant=quant)
         ratio = bytes_by_tier(predict_ledger(quantized))["inter_node"] / n / params
         assert 0.183 < ratio < 0.186
-        assert simulate_step_time(quantized, FRONTIER, 2048).comm_total_s < \
-            simulate_step_time(plain, FRONTIER, 2048).comm_total_s
+        hw = Hardware.from_topology(Topology.simulated((48, 4, 2)), device="mi250x_gcd")
+        work = StepWork(2048, tuple(2.0 * p for p in units))
+        assert sum(step_time(quantized, hw, work).inter_node_comm_s.values()) < \
+            sum(step_time(plain, hw, work).inter_node_comm_s.values())
 
 
 def test_bench_quantized_variants(capsys):
