@@ -3,7 +3,9 @@
 The command lines and environments are `launcher.plan_launch`'s, the very plan `launch` executes;
 the sharding and its groups are the engine's (`megatron.topology.ShardLayout`); the memory is the memory model's prediction of
 model states per device (weights, gradient accumulator, fp32 master and Adam moments, error
-feedback), not activations or the units gathered in flight.
+feedback), not activations or the units gathered in flight; the step time is the time model's
+(docs/time_model.md), on the topology's figures or topology.link_figures. With
+zero_optimization.plan auto, the layout shown is the one the planner chooses at start-up.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from megatron.config import NeoXConfig, world_size_of
 from megatron.launcher import LaunchPlan, slurm_hosts
 from megatron.topology import TIER_NAMES, ShardLayout, Topology
 from megatron.topology.allocation import allocation_from_env
+from megatron.zero_topo.planner import planned_config
 
 GB = 1e9
 # Sharded state by group kind, in the ladder's order (docs/engine.md, "Groups").
@@ -30,9 +33,31 @@ def render_dry_run(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str], pa
     lines += _launch_section(cfg, plan, env)
     topology = Topology.from_config(cfg, world_size_of(cfg))
     lines += [""] + _layout_section(cfg, topology, slurm_hosts(env) if plan.kind == "slurm" else [])
+    if cfg.zero.plan == "auto" and padded_vocab is None:
+        lines += ["", "sharding: chosen at start-up by zero_optimization.plan auto; the vocabulary is unknown here, "
+                  "so the plan cannot be shown (set vocab_size, or make vocab_file readable)"]
+        return "\n".join(lines + [""] + _model_section(cfg, padded_vocab)) + "\n"
+    cfg, auto = planned_config(cfg, world_size_of(cfg))
     lines += [""] + _sharding_section(cfg, topology)
+    if auto is not None:
+        lines.append(f"  chosen by zero_optimization.plan auto: {auto.reason()}")
     lines += [""] + _model_section(cfg, padded_vocab)
+    if padded_vocab is not None:
+        lines += _time_section(cfg, padded_vocab)
     return "\n".join(lines) + "\n"
+
+
+def _time_section(cfg: NeoXConfig, padded_vocab: int) -> list[str]:
+    """The step-time model's prediction for this run (docs/time_model.md): rough on preset figures,
+    calibrated with topology.link_figures (a probe of the machine)."""
+    from megatron.zero_topo.model_inputs import comm_spec_from_config, hardware_from_config, step_work_from_config
+    from megatron.zero_topo.time_model import step_time
+    hw = hardware_from_config(cfg)
+    st = step_time(comm_spec_from_config(cfg, padded_vocab), hw, step_work_from_config(cfg, padded_vocab))
+    top = sorted(((s, phase) for phase, s in st.exposed_s.items() if s > 0), reverse=True)[:4]
+    parts = ", ".join(f"{phase} {s:.4g} s" for s, phase in top)
+    return [f"predicted optimizer step (time model, figures {hw.source}): {st.total_s:.4g} s, "
+            f"{st.tflops_per_device:.3g} model TFLOPS per device; most of it: {parts}"]
 
 
 def _launch_section(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:

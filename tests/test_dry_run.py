@@ -133,3 +133,26 @@ def test_the_plan_is_what_launch_executes(tmp_path):
     launch(cfg, "train.py", "/run/c.json", extra_args=["--x"], env=env, execute=lambda cmd, e: calls.append((cmd, e)) or 0)
     assert calls == [(plan.commands[0], plan.envs[0])]
     assert plan.envs[0]["MASTER_ADDR"] == "head0" and plan.commands[0][-1] == "--x"
+
+
+def test_dry_run_with_plan_auto_shows_the_chosen_layout_and_the_predicted_step(tmp_path):
+    """plan: auto has no layout in the config: the dry run runs the planner (what every rank will do
+    at start-up), shows its layout and reason, and the time model's step for it."""
+    args = ["configs/20B.yml", "configs/frontier.yml", "configs/local_setup.yml", "--set", "zero_optimization.plan=auto",
+            "--set", "zero_optimization.plan_memory_per_device_gb=40", "--dry-run"]
+    out = deepy(*args, env_extra=slurm_job(8, gpus=8))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    chosen = re.search(r"sharding: (\S+), \(w, g, os\) = \((\d+), (\d+), (\d+)\) on N = 64", text)
+    assert chosen, text
+    w, g, os_ = map(int, chosen.groups()[1:])
+    assert g % w == 0 and os_ % g == 0 and 64 % os_ == 0
+    reason = next(line for line in text.splitlines() if "chosen by zero_optimization.plan auto" in line)
+    peak, budget = map(float, re.search(r"peak ([\d.]+) GB of ([\d.]+) GB", reason).groups())
+    assert budget == 40.0 and peak <= budget
+    assert re.search(r"predicted optimizer step \(time model, figures preset frontier/mi250x_gcd\): [\d.]+ s", text)
+    # the same configs without a vocabulary: the plan cannot be made, and the dry run says why
+    no_vocab = deepy(*args, "--set", "vocab_size=null", "--set", "vocab_file=/nonexistent/tokenizer.json",
+                     env_extra=slurm_job(8, gpus=8))
+    assert no_vocab.returncode == 0, no_vocab.stderr
+    assert "chosen at start-up by zero_optimization.plan auto; the vocabulary is unknown here" in no_vocab.stdout

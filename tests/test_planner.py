@@ -125,6 +125,7 @@ def test_plan_cli_marks_the_best_row_per_node_count(capsys):
     assert out.count("8 nodes:") == 1 and out.count("16 nodes:") == 1
     assert out.count("\n*") >= 2 or out.count("*  ") >= 2
     assert "summary: the best layout per node count" in out and "scaling efficiency" in out
+    assert out.count("best, seconds on the critical path by phase: compute ") == 2
 
 
 def test_plan_cli_bad_input_is_one_line(capsys):

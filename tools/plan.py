@@ -9,7 +9,7 @@
 Per node count: each candidate's quantization bits per phase (weight gathers / micro-step gradient
 hops / cross-node gradients / refresh; 0 = the compute dtype), activation checkpointing, the
 memory model's peak per device, the bytes one rank sends per step on each tier, the predicted step
-time and model TFLOPS per device; ``*`` marks the best candidate that fits the memory budget (the
+time and model TFLOPS per device (and, for the best, the step's seconds by phase); ``*`` marks the best candidate that fits the memory budget (the
 same search ``zero_optimization.plan: auto`` runs, megatron/zero_topo/planner.py). The summary gives
 the best per node count and its scaling efficiency against the smallest count. Link and device
 figures are the topology preset's, or a probe's (tools/probe_links.py) with --probe.
@@ -110,6 +110,12 @@ HEADER = ["", "layout", "(w, g, os)", "bits w/g/x/r", "ckpt", "peak GB", "fits",
           "intra_gpu GB", "step s", "TFLOPS"]
 
 
+def phases_text(row) -> str:
+    """The step's exposed seconds by phase (compute, recompute, optimizer, each communication phase)."""
+    parts = sorted(((s, phase) for phase, s in row.time.exposed_s.items() if s > 0), reverse=True)
+    return ", ".join(f"{phase} {s:.4g}" for s, phase in parts)
+
+
 def render(header: list, rows: list, markdown: bool) -> str:
     if markdown:
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -137,6 +143,8 @@ def main(argv=None) -> int:
               f"{plan.budget / GB:.1f} GB per device, figures {plan.source}\n")
         print(render(HEADER, [row_cells(r, plan.best) for r in shown], args.markdown))
         print(f"\nbest: {plan.reason()}" if plan.best else f"\nnone fits: {plan.reason()}")
+        if plan.best:
+            print(f"best, seconds on the critical path by phase: {phases_text(plan.best)}")
         dump[n] = [dict(zip(HEADER[1:], row_cells(r, plan.best)[1:])) | {"best": r is plan.best} for r in ordered]
     best = {n: p.best.time.tflops_per_device for n, p in plans.items() if p.best}
     if len(best) > 1:
