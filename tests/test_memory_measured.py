@@ -51,10 +51,13 @@ def test_measured_build_peak_matches_the_memory_model(tmp_path, tiny_corpus, zer
 def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""
-    from megatron.zero_topo.comm_model import CommSpec
+    from megatron.zero_topo.comm_model import CommSpec, QuantSpec
     peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="zero_topo", compute_bytes=2))
     # states: weights 680/2 x 2 = 680, accumulator 680/4 x 4 = 680, master 85 x 4 = 340, moments 680
-    assert peaks["build"] == {"states": 2380, "unit being built": 240 * 4 + 240 * 4 + 240 * 2, "total": 4780}
+    # build: the 240-unit's fp32 parameters on the host (P x 4), its fp32 staging and bf16 flat
+    # buffer on the device (S x 4 + S x 2)
+    assert peaks["build"] == {"states": 2380, "unit being built (host)": 240 * 4,
+                              "unit being built (device)": 240 * 4 + 240 * 2, "total": 4780}
     assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
                              "reduction output": 120 * 2, "activations": 0, "total": 4060}
     # overlap_comm, 2 pieces in flight of at most 64 elements: each its bf16 input and first-hop output
@@ -64,6 +67,14 @@ def test_peak_model_by_hand():
                                   "reductions in flight": 2 * (64 * 2 + 32 * 2), "activations": 0,
                                   "total": 2380 + 960 + 480 + 384}
     assert peaks["save"] == {"states": 2380, "checkpoint pieces": 3 * 85 * 4, "total": 3400}
+    # error feedback (INT4 cross hop, block 8) on units (128, 256, 256, 128), already padded: S = 768,
+    # residuals S/g fp32 = 192 x 4 in the states, and again in the save's pieces (each rank's file
+    # carries its residuals). States: weights 384 x 2, accumulator 192 x 4, master 96 x 4, moments 768.
+    ef = predict_peak_bytes(CommSpec((128, 256, 256, 128), (2, 2, 2), preset="zero_topo", compute_bytes=2,
+                                     quant=QuantSpec.from_settings(quantized_gradients=True, error_feedback=True,
+                                                                   block_size=8)))
+    assert ef["save"] == {"states": 768 + 768 + 384 + 768 + 768, "checkpoint pieces": 3 * 96 * 4 + 768,
+                          "total": 3456 + 1152 + 768}
     # load: every unit's three fp32 slices mapped (3 x 85 x 4), and the 240-unit's staging: its three
     # slices 3 x 30 x 4, the bf16 cast of its master 30 x 2, the cross hop's S/4 x 2 = 120
     assert peaks["load"] == {"states": 2380, "mapped pages": 1020, "unit being loaded": 360 + 60 + 120,

@@ -88,31 +88,38 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     step, save and load. ``activations`` is the model's estimate for one micro-batch
     (megatron.model.sizes.activation_bytes).
 
-    - build: the model states, plus the largest unit being made real: its parameters in fp32 (P),
-      the fp32 staging buffer (S) and the flat buffer in the compute dtype (S x c).
+    - build: the model states, plus the largest unit being made real, in two terms because they
+      live in different memories on a GPU: "unit being built (host)", its parameters in fp32
+      (P x 4, initialised or read on the CPU: build.unit_materializer), and "unit being built
+      (device)", the FlatUnit's fp32 staging buffer (S x 4) and the flat buffer in the compute
+      dtype (S x c), both on the engine's device. On a CPU run both are host memory. The unit is
+      the one with the largest sum (the same unit for both terms, so the total is one unit's).
     - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
       unit's gradient (S x c) and the reduction's first output (S / w x c) — with overlap_comm, the
       unit gradient autograd is producing plus M = reduce_buckets_in_flight pieces in flight, each
       its input and first output (p x c + p / w x c, p = min(S, bucket)) — plus the activations.
-    - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces.
+    - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces, and
+      with error feedback its residuals too (each rank's file carries its own: state_io).
     - load: the states, plus the checkpoint pages read (the three fp32 optimizer slices of every
       unit, memory-mapped until the load ends: clean file pages, host memory the kernel can
       reclaim, but resident and so in the measured peak), plus the largest unit's staging: its
       three slices copied out and the weight refresh's buffers (the master cast to the compute
       dtype, S/os x c, unless already fp32, and the cross hop's S/g x c result).
     """
-    states = predict_model_state_bytes(spec)["per_rank"]["total"]
+    held = predict_model_state_bytes(spec)["per_rank"]
+    states, residuals = held["total"], held.get("error_feedback", 0)
     w, g, os_ = spec.resolved_factors()
     c = spec.compute_bytes
     sizes = padded_unit_numels(spec)
     largest = max(sizes)
     sharded = w > 1
-    staging = max(p * FP32_BYTES + s * FP32_BYTES + s * c for p, s in zip(spec.unit_numels, sizes))
+    built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + ps[1] * (FP32_BYTES + c))
     terms = {
-        "build": {"states": states, "unit being built": staging},
+        "build": {"states": states, "unit being built (host)": built_p * FP32_BYTES,
+                  "unit being built (device)": built_s * (FP32_BYTES + c)},
         "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
                  **_reduction_terms(spec, largest), "activations": activations},
-        "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES},
+        "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES + residuals},
         "load": {"states": states, "mapped pages": 3 * sum(s // os_ for s in sizes) * FP32_BYTES,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
                                           + (s // g) * c for s in sizes)},
