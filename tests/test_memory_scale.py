@@ -1,19 +1,34 @@
 """The scaled-down proof that the 20B fits: per-rank peak memory of a half-billion-parameter model,
 measured, against the memory model (slow: ~5 minutes, ~18 GB of RAM on 2 cores).
 
-A 0.46B-parameter NeoX (fp32 full copy 1.8 GB) trains 2 steps on 8 simulated ranks (2 x 2 x 2,
-ZeRO-3) and saves; the checkpoint then resumes on 4 ranks (2 x 2, ZeRO-3: another world size and
-other factors) for one more step. Every rank's measured peak resident set above its own baseline,
-per phase (build, step, save on 8 ranks; load on 4), must lie within 1.5x of the memory model's
-prediction, and far below what the engine needed before the sharded build and the checkpoint
-reader: the full fp32 model and its flat copy per rank at build (P x 8 bytes), the full
-parameters and both moments per rank at resume (P x 12 bytes, on top of the states).
-Measured here (2026-12-03): build 1.41 GB per rank (predicted 1.48), step 1.84 (1.55), save
-1.93-1.95 (1.82), load on 4 ranks 3.80 (3.75); 290 s.
+A 0.45B-parameter NeoX (16 layers, hidden 1536; fp32 full copy 1.8 GB) trains 2 steps on 8
+simulated ranks (2 x 2 x 2, ZeRO-3) and saves; the checkpoint then resumes on 4 ranks (2 x 2,
+ZeRO-3: another world size and other factors) for one more step. Every rank's measured peak
+resident set above its own baseline, per phase (build, step, save on 8 ranks; load on 4), must lie
+within 1.5x of the memory model's prediction, and far below what the engine needed before the
+sharded build and the checkpoint reader: the full fp32 model and its flat copy per rank at build
+(P x 8 bytes), the full parameters and both moments per rank at resume (P x 12 bytes, on top of
+the states).
+Predicted per rank (memory model, overlap_comm on: the default since the test was first run):
+build 1.48 GB, step 1.79, save 1.82, load on 4 ranks 3.75. Measured here (2026-12-03, before
+overlap_comm became the default; not rerun since): build 1.41, step 1.84, save 1.93-1.95, load
+3.80; 290 s.
 
-Why not 1B: model states alone are P x 20 bytes summed over the ranks (fp32 weights, gradient
-accumulator, master and two moments, however they are sharded), so a 1B model needs 20 GB of
-states plus ~2 GB of process baselines and the save's copies, beyond this 24 GiB machine. The
+The size is set by NEOX_MEMORY_SCALE_MODEL=<layers>x<hidden> (16 heads; default 16x1536, 0.45B).
+The issue's ~1B case is 20x2048 (1.01B parameters, fp32 full copy 4.0 GB), unchanged otherwise:
+
+    NEOX_MEMORY_SCALE_MODEL=20x2048 .venv/bin/python -m pytest -q -m slow tests/test_memory_scale.py -s
+
+Why 0.45B here: model states are P x 20 bytes summed over the ranks (fp32 weights, gradient
+accumulator, master and two moments, however they are sharded), and every rank adds its phase's
+transients at the same time (the save's fp32 pieces, the load's mapped pages: P x 12 bytes more
+summed over the ranks). The largest phase's predicted peak summed over the ranks, with 0.25 GB of
+process baseline each (predicted_host_bytes): 16.5 GB at 0.45B (the save on 8 ranks; the load
+on 4: 16.0), 34.3 GB at 1B (save 34.3, load 34.1): ~34 GB per billion parameters, against 25.3 GB
+of RAM on this machine (23 GB available when idle). With the measured peaks up to ~1.2x the
+prediction the ceiling here is ~0.6B; 0.45B leaves room for the test process and whatever else
+shares the machine. The 1B case needs a host with 64 GB. Before starting, the test skips (saying
+why) when the available memory is below 1.1x that sum (18.2 GB at 0.45B, 37.7 GB at 1B). The
 per-rank claims do not depend on the size: the 20B's prediction is in docs/memory.md.
 
     .venv/bin/python -m pytest -q -m slow tests/test_memory_scale.py -s
@@ -21,6 +36,8 @@ per-rank claims do not depend on the size: the 20B's prediction is in docs/memor
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -30,22 +47,43 @@ from megatron.model.sizes import activation_bytes, parameter_count
 from megatron.zero_topo.memory_model import predict_peak_bytes
 from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of
 
-MODEL = dict(num_layers=16, hidden_size=1536, num_attention_heads=16, seq_length=32,
-             train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=None,
-             eval_iters=0, eval_interval=1000, log_interval=1, memory_report=True)
+SIZE_ENV = "NEOX_MEMORY_SCALE_MODEL"
+DEFAULT_SIZE = "16x1536"  # 0.45B parameters: the largest round shape this 24 GiB machine holds
+BASELINE = 0.25e9  # one rank's process baseline (interpreter, torch, data indices), measured
+FREE_MARGIN = 1.1
 
 
-def _run(tmp_path, corpus, name: str, simulate: list, **overrides) -> tuple:
+def model_size() -> tuple[int, int]:
+    """(num_layers, hidden_size) from NEOX_MEMORY_SCALE_MODEL=<layers>x<hidden>."""
+    text = os.environ.get(SIZE_ENV, DEFAULT_SIZE)
+    try:
+        layers, hidden = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        pytest.fail(f"{SIZE_ENV}={text!r}: expected <layers>x<hidden>, e.g. {DEFAULT_SIZE}", pytrace=False)
+    return layers, hidden
+
+
+def model_keys() -> dict:
+    layers, hidden = model_size()
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=16, seq_length=32,
+                train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=None,
+                eval_iters=0, eval_interval=1000, log_interval=1, memory_report=True)
+
+
+def _config(tmp_path, corpus, name: str, simulate: list, **overrides) -> tuple:
     work = tmp_path / name
     work.mkdir()
-    cfg_path = tiny_run_config(work, corpus, **MODEL, topology={"simulate": simulate},
+    cfg_path = tiny_run_config(work, corpus, **model_keys(), topology={"simulate": simulate},
                                zero_optimization={"stage": 3}, **overrides)
-    done = run_deepy("train.py", str(cfg_path), timeout=1500)
+    return work, cfg_path, load_config([str(cfg_path)], notices=[])
+
+
+def _run(work: Path, cfg_path: Path, cfg, timeout: int) -> list:
+    done = run_deepy("train.py", str(cfg_path), timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    cfg = load_config([str(cfg_path)], notices=[])
     ranks = [json.loads(p.read_text()) for p in sorted((work / "logs" / "memory").glob("rank_*.json"))]
     assert len(ranks) == cfg.topology.world_size
-    return cfg, ranks
+    return ranks
 
 
 def _predicted(cfg) -> dict:
@@ -54,14 +92,41 @@ def _predicted(cfg) -> dict:
     return {phase: terms["total"] for phase, terms in predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts).items()}
 
 
+TRAIN_PHASES, LOAD_PHASES = ("build", "step", "save"), ("build", "load", "step")
+
+
+def predicted_host_bytes(cfg, phases) -> float:
+    """The largest of the run's phases, its predicted peak summed over the ranks with their
+    baselines: what the host must hold at once (the phases are synchronised by the collectives)."""
+    want = _predicted(cfg)
+    return cfg.topology.world_size * (max(want[p] for p in phases) + BASELINE)
+
+
+def _available_bytes():
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @pytest.mark.slow
-def test_half_billion_parameters_fit_per_rank_as_the_memory_model_says(tmp_path, tiny_corpus):
-    train_cfg, train = _run(tmp_path, tiny_corpus, "train", [2, 2, 2], train_iters=2,
-                            save=str(tmp_path / "ck"), checkpoint_factor=None)
-    load_cfg, load = _run(tmp_path, tiny_corpus, "load", [2, 2], train_iters=3,
-                          load=str(tmp_path / "ck"), save=None)
+def test_a_large_model_fits_per_rank_as_the_memory_model_says(tmp_path, tiny_corpus):
+    train_work, train_path, train_cfg = _config(tmp_path, tiny_corpus, "train", [2, 2, 2], train_iters=2,
+                                                save=str(tmp_path / "ck"), checkpoint_factor=None)
+    load_work, load_path, load_cfg = _config(tmp_path, tiny_corpus, "load", [2, 2], train_iters=3,
+                                             load=str(tmp_path / "ck"), save=None)
     params = parameter_count(train_cfg.model, padded_vocab_of(train_cfg))
-    assert 0.4e9 < params < 0.5e9
+    need = max(predicted_host_bytes(train_cfg, TRAIN_PHASES), predicted_host_bytes(load_cfg, LOAD_PHASES))
+    available = _available_bytes()
+    if available is not None and available < FREE_MARGIN * need:
+        pytest.skip(f"{params / 1e9:.2f}B parameters: the memory model predicts {need / 1e9:.1f} GB summed over "
+                    f"the ranks, {available / 1e9:.1f} GB available (set {SIZE_ENV} smaller)")
+    timeout = int(1500 * max(1.0, params / 0.45e9))
+    train = _run(train_work, train_path, train_cfg, timeout)
+    load = _run(load_work, load_path, load_cfg, timeout)
     full_copy = 4 * params
     want_train, want_load = _predicted(train_cfg), _predicted(load_cfg)
     table = []
