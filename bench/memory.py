@@ -1,17 +1,22 @@
-"""Peak memory per rank, measured against the memory model, per preset and per phase.
+"""Peak memory per rank, measured against the memory model, per configuration and per phase.
 
-    .venv/bin/python bench/memory.py                         # ~160M parameters on 2x2x2, four presets
-    .venv/bin/python bench/memory.py --markdown              # the table in docs/memory.md
-    .venv/bin/python bench/memory.py --layers 4 --hidden 256 --presets zero3
+    .venv/bin/python bench/memory.py                         # ~160M parameters on 2x2x2, six configurations
+    .venv/bin/python bench/memory.py --markdown              # the tables in docs/memory.md
+    .venv/bin/python bench/memory.py --layers 4 --hidden 256 --configs zero3 zero_topo-int4-ef
 
-Each preset trains the same model for two steps on the simulated layout with `memory_report` on,
-saving a checkpoint at the end; the checkpoint is then resumed on another layout (--load-layout,
---load-preset) for one more step. Every rank writes its measured peak resident set per phase (build,
-step, save, load; megatron/logging/memory.py); the table shows the largest rank's peak above its
-own baseline (the process after imports and data indices, before any model state: measured, and
-shown) next to the model's prediction (megatron/zero_topo/memory_model.py, predict_peak_bytes, with
-the activation estimate of megatron/model/sizes.py), and the ratio measured / predicted. The last
-table is the model's prediction per GCD for the paper's 20B on 48 Frontier nodes, where it counts.
+A configuration is a preset (configs/<preset>.yml) plus overrides: the four presets, and zero_topo
+with INT4 gradients with and without error feedback (CONFIGS), so the memory model's error_feedback
+term is checked against measurement: the two differ by that term alone. Each configuration trains
+the same model for two steps on the simulated layout with `memory_report` on, saving a checkpoint
+at the end; every checkpoint is then resumed by the same resume run (--load-layout, --load-preset:
+zero_topo on 2x2 by default, another world size and other factors) for one more step, with the
+configuration's own overrides (quantization, error feedback). Every rank writes its measured peak
+resident set per phase (build, step, save, load; megatron/logging/memory.py); the table shows the
+largest rank's peak above its own baseline (the process after imports and data indices, before any
+model state: measured, and shown) next to the model's prediction (megatron/zero_topo/memory_model.py,
+predict_peak_bytes, with the activation estimate of megatron/model/sizes.py), and the ratio
+measured / predicted. The last table is the model's prediction per GCD for the paper's 20B on 48
+Frontier nodes, where it counts.
 """
 from __future__ import annotations
 
@@ -33,6 +38,15 @@ from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_
 
 GB = 1e9
 BIG = ["configs/20B.yml", "configs/frontier.yml", "configs/zero_topo.yml", "configs/local_setup.yml"]
+INT4_GRADS = "zero_optimization.zero_quantized_gradients=true"
+ERROR_FEEDBACK = "zero_optimization.quantization_error_feedback=true"
+# name -> (preset, overrides): trained with configs/<preset>.yml and the overrides; resumed with the
+# overrides too (the load preset's residuals, when error feedback is on, are then in the load row).
+CONFIGS = {"zero3": ("zero3", []), "hsdp": ("hsdp", []), "zero_topo": ("zero_topo", []), "zeropp": ("zeropp", []),
+           "zero_topo-int4": ("zero_topo", [INT4_GRADS]),
+           "zero_topo-int4-ef": ("zero_topo", [INT4_GRADS, ERROR_FEEDBACK])}
+# The pair whose difference is the error-feedback residuals alone (same padding, same collectives).
+EF_PAIR = ("zero_topo-int4", "zero_topo-int4-ef")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,9 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--layout", default="sim-2x2x2", help="configs/<layout>.yml for the training runs")
-    p.add_argument("--presets", nargs="+", default=["zero3", "hsdp", "zero_topo", "zeropp"])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="configurations (CONFIGS: a preset and its overrides)")
     p.add_argument("--load-layout", default="sim-2x2", help="layout the checkpoints are resumed on")
-    p.add_argument("--load-preset", default="zero_topo")
+    p.add_argument("--load-preset", default="zero_topo", help="preset every checkpoint is resumed with")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra config overrides")
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
@@ -96,38 +111,64 @@ def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     base = ["configs/tiny-cpu.yml"]
-    rows = []
+    rows, got_by, want_by = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets:
-            work = Path(tmp) / preset
+        for name in args.configs:
+            preset, extra = CONFIGS[name]
+            work = Path(tmp) / name
             train_files = base + [f"configs/{args.layout}.yml", f"configs/{preset}.yml"]
-            train_sets = model_sets(args, work / "train", ["train_iters=2", f"save={work / 'ck'}"])
+            train_sets = model_sets(args, work / "train", [*extra, "train_iters=2", f"save={work / 'ck'}"])
             run(train_files, train_sets)
             load_files = base + [f"configs/{args.load_layout}.yml", f"configs/{args.load_preset}.yml"]
-            load_sets = model_sets(args, work / "load", ["train_iters=3", f"load={work / 'ck'}", "save=null"])
+            load_sets = model_sets(args, work / "load", [*extra, "train_iters=3", f"load={work / 'ck'}", "save=null"])
             run(load_files, load_sets)
             got_train, baseline = measured(work / "train")
-            got_load, _ = measured(work / "load")
+            got_load, load_baseline = measured(work / "load")
             want_train, want_load = predicted(train_files, train_sets), predicted(load_files, load_sets)
-            for phase in ("build", "step", "save", "load"):
-                got = got_load.get(phase) if phase == "load" else got_train.get(phase)
-                want = want_load[phase] if phase == "load" else want_train[phase]
-                where = f"{args.load_preset} on {args.load_layout}" if phase == "load" else f"{preset} on {args.layout}"
+            suffix = name[len(preset):]
+            for phase in PEAK_PHASES:
+                load = phase == "load"
+                got = got_load.get(phase) if load else got_train.get(phase)
+                want = want_load[phase] if load else want_train[phase]
+                where = f"{args.load_preset}{suffix} on {args.load_layout}" if load else f"{name} on {args.layout}"
                 if got is None:
                     continue
-                rows.append([preset, phase, where, f"{baseline / GB:.2f}", f"{got / GB:.3f}", f"{want / GB:.3f}",
-                             f"{got / want:.2f}"])
+                got_by[name, phase], want_by[name, phase] = got, want
+                rows.append([name, phase, where, f"{(load_baseline if load else baseline) / GB:.2f}",
+                             f"{got / GB:.3f}", f"{want / GB:.3f}", f"{got / want:.2f}"])
         cfg = load_config([str(REPO / f) for f in base], [s for s in model_sets(args, Path(tmp), []) if s != "--set"],
                           notices=[])
         params = parameter_count(cfg.model, padded_vocab_of(cfg))
     print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro}: "
           f"{params / 1e6:.1f}M parameters (fp32 full copy {4 * params / GB:.2f} GB); peaks are the largest "
           "rank's, above its baseline")
-    print_table(["preset", "phase", "run", "baseline GB", "measured GB", "predicted GB", "measured / predicted"],
-                rows, args.markdown)
+    print(f"build, step, save: each configuration on {args.layout}; load: every configuration's checkpoint "
+          f"resumed as {args.load_preset} on {args.load_layout} (with the configuration's quantization and "
+          "error feedback, if any)")
+    print_table(["configuration", "phase", "run", "baseline GB", "measured GB", "predicted GB",
+                 "measured / predicted"], rows, args.markdown)
+    if all(name in args.configs for name in EF_PAIR):
+        print()
+        print_error_feedback(got_by, want_by, args.markdown)
     print()
     print_20b(args.markdown)
     return 0
+
+
+def print_error_feedback(got_by: dict, want_by: dict, markdown: bool) -> None:
+    """The residuals measured: each phase's peak with error feedback minus the same configuration
+    without it (same padding, same collectives), against the model's difference (its error_feedback
+    term in the states, and in the save's pieces)."""
+    off, on = EF_PAIR
+    print(f"error feedback: peak of {on} minus {off}, measured and predicted")
+    rows = []
+    for phase in PEAK_PHASES:
+        if not all(key in got_by for key in ((on, phase), (off, phase))):
+            continue
+        got, want = got_by[on, phase] - got_by[off, phase], want_by[on, phase] - want_by[off, phase]
+        rows.append([phase, f"{got / GB:.3f}", f"{want / GB:.3f}", f"{got / want:.2f}" if want else "-"])
+    print_table(["phase", "measured difference GB", "predicted difference GB", "measured / predicted"], rows,
+                markdown)
 
 
 def print_20b(markdown: bool) -> None:
