@@ -2,7 +2,7 @@
 
 The default test builds a ~40M-parameter model on 4 simulated ranks, where the model states are
 several times the largest unit, and checks every rank's measured build peak above its baseline
-against predict_peak_bytes within 1.5x. bench/memory.py prints every phase and preset.
+against predict_peak_bytes within 1.5x. bench/memory.py prints every phase and configuration.
 """
 from __future__ import annotations
 

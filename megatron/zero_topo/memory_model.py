@@ -94,6 +94,9 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
       (device)", the FlatUnit's fp32 staging buffer (S x 4) and the flat buffer in the compute
       dtype (S x c), both on the engine's device. On a CPU run both are host memory. The unit is
       the one with the largest sum (the same unit for both terms, so the total is one unit's).
+      With error feedback the states include the residuals, which the engine allocates after the
+      last unit is built: the real build peak is the larger of (states without them + one unit)
+      and all the states, so this over-predicts the build by up to the residuals (docs/memory.md).
     - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
       unit's gradient (S x c) and the reduction's first output (S / w x c) — with overlap_comm, the
       unit gradient autograd is producing plus M = reduce_buckets_in_flight pieces in flight, each
