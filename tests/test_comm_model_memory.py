@@ -78,3 +78,13 @@ def test_unit_sizes_match_the_model(untied):
     if untied:  # unit by unit (tied, the final unit shares the embedding matrix)
         units = [model.embed, *model.layers, model.final]
         assert predicted == [sum(p.numel() for p in unit.parameters()) for unit in units]
+
+
+def test_the_device_peak_leaves_out_the_host_terms():
+    from megatron.zero_topo.memory_model import device_peak_bytes
+    peaks = {"build": {"states": 10, "unit being built (host)": 7, "unit being built (device)": 3, "total": 20},
+             "step": {"states": 10, "activations": 5, "total": 15},
+             "save": {"states": 10, "checkpoint pieces": 9, "total": 19},
+             "load": {"states": 10, "mapped pages": 4, "unit being loaded": 2, "total": 16}}
+    # device: build 13, step 15, save 10, load 12
+    assert device_peak_bytes(peaks) == 15

@@ -95,6 +95,8 @@ CONFIG_MISTAKES = [
     pytest.param(None, ["--set", "fp16.enabled=true", "--set", "fp16.hysteresis=0"],
                  "deepy: error: fp16: hysteresis must be >= 1, got 0 (in <source>); see docs/numerics.md",
                  id="fp16-block"),
+    pytest.param(None, ["--set", "gradient_predivide_factor=0"],
+                 "deepy: error: gradient_predivide_factor: must be > 0.0, got 0.0 (in --set)", id="predivide-not-positive"),
     pytest.param(None, ["--set", "fp16.enabled=true", "--set", "precision=bfloat16"],
                  "deepy: error: precision: the precision keys disagree: fp16.enabled asks for fp16, precision asks "
                  "for bfloat16 (in --set); keep one way of saying it", id="precision-keys-disagree"),

@@ -8,7 +8,8 @@ what it measured with ``predict_ledger`` / ``predict_ledger_per_rank`` / ``predi
 
 - every preset (stage0..3, hsdp, zeropp, zero_topo) and explicit factors, on 2x2x2 (8 ranks) and
   2x2 (4 ranks), at gradient accumulation 1 and 2, with and without activation checkpointing;
-- bf16 (compute_bytes 2), with and without fp32 step-boundary hops (fp32_allreduce);
+- bf16 (compute_bytes 2), with and without fp32_allreduce (fp32 step-boundary hops, and fp32
+  micro-step hops where their groups span nodes: stage 2/3, zeropp, factors (2, 8, 8));
 - evaluation passes in a window: the trainer evaluates after a step's ledger sync, so the eval
   gathers and the eval-loss allreduce land in the *next* step's window;
 - quantized collectives (zero_topo all-quantized, zeropp qwZ + qgZ, stage 3 INT8 weights), with and
@@ -92,6 +93,8 @@ CASES = {
         _case("zero_topo-bf16-fp32ar-A2", preset="zero_topo", accum=2, precision="bfloat16", fp32_allreduce=True),
         _case("zeropp-bf16-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, precision="bfloat16"),
         _case("hsdp-bf16-fp32ar-A1", preset="hsdp", precision="bfloat16", fp32_allreduce=True),
+        # the weight hop stays in a node (bf16), the stride hop spans both (fp32)
+        _case("f2-8-8-bf16-fp32ar-A2", factors=(2, 8, 8), accum=2, precision="bfloat16", fp32_allreduce=True),
         _case("zeropp-eval2-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, eval_iters=2),
         _case("zero_topo-eval1-A1", preset="zero_topo", eval_iters=1),
         _case("stage3-eval1-A1-ckpt", preset="stage3", checkpoint=True, eval_iters=1),
@@ -102,6 +105,8 @@ CASES = {
     "four": _cases(PRESETS, [(1, 2, 4), (1, 2, 2)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
         _case("zeropp-bf16-fp32ar-A2", preset="zeropp", accum=2, precision="bfloat16", fp32_allreduce=True),
+        _case("stage3-bf16-fp32ar-A2", preset="stage3", accum=2, precision="bfloat16", fp32_allreduce=True),
+        _case("stage2-bf16-fp32ar-A1", preset="stage2", precision="bfloat16", fp32_allreduce=True),
         _case("zeropp-eval2-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, eval_iters=2),
         _case("zero_topo-eval1-A2", preset="zero_topo", accum=2, eval_iters=1),
         _case("f1-2-2-eval2-A1", factors=(1, 2, 2), eval_iters=2),

@@ -119,7 +119,7 @@ _NOOP: dict[str, tuple[str, ...]] = {
         "zero_optimization.use_multi_rank_bucket_allreduce", "zero_optimization.pipeline_loading_checkpoint",
         "zero_optimization.override_module_apply", "zero_optimization.log_trace_cache_warnings",
         "zero_optimization.cpu_offload_use_pin_memory", "zero_optimization.mics_hierarchical_params_gather",
-        "prescale_gradients", "gradient_predivide_factor", "sparse_gradients"),
+        "prescale_gradients", "sparse_gradients"),
     "activation checkpointing here is torch's, one transformer block per segment": (
         "partition_activations", "synchronize_each_layer", "contiguous_checkpointing", "checkpoint_in_cpu",
         "profile_backward", "deepspeed_activation_checkpointing", "activation_checkpointing"),

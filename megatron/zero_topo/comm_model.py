@@ -107,7 +107,8 @@ class CommSpec:
     compute_bytes: int = 4
     """Compute dtype size c: 4 (fp32) or 2 (bf16/fp16)."""
     fp32_allreduce: bool = False
-    """Step-boundary gradient hops (cross, replica) in fp32 instead of the compute dtype."""
+    """Gradient hops across nodes in fp32 instead of the compute dtype: the step-boundary hops (cross,
+    replica) and an unquantized micro-step hop whose groups span nodes (stage 2/3, zeropp, wide w or g)."""
     checkpointed_units: frozenset = frozenset()
     """Indices of units run under activation checkpointing (see ``transformer_block_units``)."""
     eval_forward_passes: int = 0
@@ -305,10 +306,23 @@ def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: i
     return Collective(phase, REDUCE_SCATTER, group, numel, elem_bytes, count, unit)
 
 
+def _spans_nodes(kind: str, spec: CommSpec) -> bool:
+    """Whether the groups of a kind (all alike) hold ranks of more than one node."""
+    first = groups_of_kind(kind, spec)[0]
+    return any(tier_between(first[0], r, spec.layout) == "inter_node" for r in first[1:])
+
+
+def _gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
+    """Element size of an unquantized gradient hop over ``kind``: fp32 when its groups span nodes and
+    fp32_allreduce is on (the step-boundary hops always span them, or have one rank), else c."""
+    return FP32_BYTES if spec.fp32_allreduce and _spans_nodes(kind, spec) else spec.compute_bytes
+
+
 def _ladder_collectives(spec: CommSpec) -> list:
     w, g, os_ = spec.resolved_factors()
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
     boundary = FP32_BYTES if spec.fp32_allreduce else c
+    weight_hop, stride_hop = _gradient_hop_bytes("weight", spec), _gradient_hop_bytes("stride", spec)
     qs, b = spec.quant, spec.quant.block_size
     out = []
     sizes = padded_unit_numels(spec)
@@ -318,8 +332,8 @@ def _ladder_collectives(spec: CommSpec) -> list:
         if u != len(sizes) - 1:  # the last unit stays gathered from its forward to its backward
             passes.append((backward_gather, a))
         out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n, u) for phase, n in passes]
-        out += [_reduce("grad_reduce", "weight", s, w, c, qs.grad_reduce_bits, b, a, u),
-                _reduce("grad_reduce", "stride", s // w, g // w, c, qs.grad_reduce_bits, b, a, u),
+        out += [_reduce("grad_reduce", "weight", s, w, weight_hop, qs.grad_reduce_bits, b, a, u),
+                _reduce("grad_reduce", "stride", s // w, g // w, stride_hop, qs.grad_reduce_bits, b, a, u),
                 _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u),
                 Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary, 1, u),
                 _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b, 1, u),
@@ -354,7 +368,7 @@ def _zeropp_collectives(spec: CommSpec) -> list:
             out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u),
                     _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a, u)]
         else:
-            out.append(_reduce("grad_reduce", "world", s, n, c, 0, b, a, u))
+            out.append(_reduce("grad_reduce", "world", s, n, _gradient_hop_bytes("world", spec), 0, b, a, u))
     return out
 
 

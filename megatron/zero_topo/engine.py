@@ -72,7 +72,8 @@ class ZeroTopoEngine:
                  quant: Optional[QuantSettings] = None, prefetch: bool = True,
                  device: Optional[torch.device] = None, materialize: Optional[Materialize] = None,
                  loss_scaling: Optional[LossScaleSettings] = None, overlap_reduce: bool = True,
-                 reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce_buckets_in_flight: int = 2):
+                 reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, reduce_buckets_in_flight: int = 2,
+                 gradient_predivide_factor: Optional[float] = None):
         if precision not in COMPUTE_DTYPES:
             raise EngineError(f"precision {precision!r} is not supported; use fp32, bfloat16 or fp16")
         if accumulation_steps < 1:
@@ -92,9 +93,13 @@ class ZeroTopoEngine:
         self.hyper = AdamWHyper.from_config(opt_cfg)
         self.gradient_clipping = float(opt_cfg.gradient_clipping or 0.0)
         self.dtype = COMPUTE_DTYPES[precision]
-        # Dtype of the step-boundary hops (cross, replica): the compute dtype unless fp32_allreduce.
+        # Dtype of every gradient hop across nodes (cross, replica, spanning micro-step hops).
         self.boundary_dtype = torch.float32 if fp32_allreduce else self.dtype
         self.loss_scale = DynamicLossScale(loss_scaling or LossScaleSettings.from_precision(precision))
+        # None = N: a rank's gradients have a single process's size (docs/numerics.md); DeepSpeed's is 1.
+        self.predivide = float(groups.world_size if gradient_predivide_factor is None else gradient_predivide_factor)
+        if not (math.isfinite(self.predivide) and self.predivide > 0):
+            raise EngineError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor}")
         self.quant = quant or QuantSettings()
         self.step_count = 0            # optimizer steps taken (AdamW's t)
         self.micro_count = 0           # micro-batches since the last optimizer step
@@ -306,16 +311,18 @@ class ZeroTopoEngine:
             if self.hpz:  # qgZ: node hop, then rail hop; the swizzle lands chunk r on rank r
                 grad = qgz_swizzle(grad, self.groups.rail.size, self.groups.node.size)
             hops = [(group, unit.residuals.get(name)) for name, group in self._micro_hops()]
-        else:
-            hops = [(group, None) for group in (self.groups.weight, self.groups.stride) if group.size > 1]
+        else:  # a hop whose group spans nodes sends boundary_dtype (fp32 with fp32_allreduce)
+            hops = [(group, self.boundary_dtype if len(set(map(self.groups.topology.node_of, group.ranks))) > 1
+                     else self.dtype) for group in (self.groups.weight, self.groups.stride) if group.size > 1]
         rows = math.prod(group.size for group, _ in hops)
         quantum = self.quant.block if bits else 1
         for a, b in column_ranges(grad.numel() // rows, rows, self.reduce_bucket_elements, quantum):
             if bits:
                 chain = quantized_piece_chain(self.qcomm, grad, hops, rows, a, b, "grad_reduce", bits,
-                                              residual_scale=self.loss_scale.scale)
+                                              residual_scale=self.backward_scale)
             else:
-                chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce")
+                chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce",
+                                     [dtype for _, dtype in hops])
             self.reductions.submit(chain, len(hops), lambda out, a=a, b=b: unit.grad_accum[a:b].add_(out))
 
     def _reduce_scatter(self, buf: torch.Tensor, group: RankGroup, phase: str) -> torch.Tensor:
@@ -346,14 +353,21 @@ class ZeroTopoEngine:
         grad = unit.grad_accum
         if cross.size > 1 and self.quant.cross_bits:  # quantized from the fp32 accumulator
             grad = self.qcomm.reduce(grad, [(cross, unit.residuals.get("cross"))], "cross_grad_reduce",
-                                     self.quant.cross_bits, residual_scale=self.loss_scale.scale)
+                                     self.quant.cross_bits, residual_scale=self.backward_scale)
         elif cross.size > 1:
             grad = self._reduce_scatter(grad.to(self.boundary_dtype), cross, "cross_grad_reduce")
         if replica.size > 1:
             grad = grad.to(self.boundary_dtype)
             self.comm.all_reduce(grad, replica, "replica_allreduce")
-        scale = self.groups.world_size * self.accumulation_steps * self.loss_scale.scale
+        scale = self.groups.world_size * self.accumulation_steps * self.backward_scale  # N x A summands
         return grad.float() / scale  # a new tensor: the accumulator itself is zeroed after the step
+
+    @property
+    def backward_scale(self) -> float:
+        """The factor on a micro-batch's mean loss before backward: loss scale / (A x predivide); with
+        predivide = N a sample's gradient enters as in a single process on the same global batch
+        (fp16 overflows at the same scales). Error-feedback residuals are stored divided by it."""
+        return self.loss_scale.scale / (self.accumulation_steps * self.predivide)
 
     # -- the loop's interface -----------------------------------------------------------------------
     def _autocast(self):
@@ -374,7 +388,7 @@ class ZeroTopoEngine:
                 loss = self.loss_fn(self.model, batch)
             self.order.end_forward()
             self._in_backward = True
-            (loss * self.loss_scale.scale if self.loss_scale.enabled else loss).backward()
+            (loss * self.backward_scale).backward()
             self.reductions.drain()  # the accumulators are complete before the next micro-batch
         finally:
             self.reductions.abandon()  # after a failed backward: its partial sums are never read

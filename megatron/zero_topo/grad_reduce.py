@@ -39,9 +39,14 @@ Chain = Generator[Pending, None, torch.Tensor]
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default: one piece per unit here
 
 
-def ladder_chain(comm: Communicator, grad: torch.Tensor, groups: list[RankGroup], phase: str) -> Chain:
-    """Reduce-scatter ``grad`` over each group in turn (groups of one rank left out by the caller)."""
-    for group in groups:
+def ladder_chain(comm: Communicator, grad: torch.Tensor, groups: list[RankGroup], phase: str,
+                 dtypes: Optional[list[torch.dtype]] = None) -> Chain:
+    """Reduce-scatter ``grad`` over each group in turn (groups of one rank left out by the caller),
+    hop i in ``dtypes[i]`` when given (its input cast first; the engine asks fp32 for hops that
+    cross nodes, docs/numerics.md)."""
+    for i, group in enumerate(groups):
+        if dtypes is not None and grad.dtype != dtypes[i]:
+            grad = grad.to(dtypes[i])
         out = torch.empty(grad.numel() // group.size, dtype=grad.dtype, device=grad.device)
         _charges, pending = comm.start_reduce_scatter(out, grad, group, phase)
         yield pending

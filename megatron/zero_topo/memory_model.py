@@ -132,6 +132,17 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     return terms
 
 
+# Terms of predict_peak_bytes that are host memory when the engine runs on a GPU (docs/memory.md,
+# "Host and device"); the loaded unit's three fp32 slices (host, a few MB) stay in with its refresh.
+HOST_TERMS = ("unit being built (host)", "checkpoint pieces", "mapped pages")
+
+
+def device_peak_bytes(peaks: dict) -> int:
+    """The largest phase total of ``predict_peak_bytes`` without its host terms: what must fit in a
+    GPU's memory (on a CPU run host and device are one memory; use the phase totals there)."""
+    return max(phase["total"] - sum(phase.get(term, 0) for term in HOST_TERMS) for phase in peaks.values())
+
+
 def _reduction_terms(spec: CommSpec, largest: int) -> dict:
     """The gradient reduction's transient buffers at the step's peak (docs/engine.md, "Overlapped
     gradient reduction"): synchronous, one unit's gradient and its first hop's output; overlapped,

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
 from megatron.topology.topology import TopologyError
 from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
-from megatron.zero_topo.memory_model import predict_peak_bytes
+from megatron.zero_topo.memory_model import device_peak_bytes, predict_peak_bytes
 from megatron.zero_topo.time_model import Hardware, StepTime, StepWork, ledger_bytes_by_tier, step_time
 
 GB = 1e9
@@ -63,7 +63,7 @@ class Candidate:
 class PlanRow:
     candidate: Candidate
     peak_bytes: float
-    """The largest phase peak of one device (memory_model.predict_peak_bytes)."""
+    """The largest phase peak of one device, host-side staging left out (memory_model.device_peak_bytes)."""
     bytes_per_tier: dict
     """{tier: bytes one rank sends per step} (all ranks' ledger / N)."""
     time: StepTime
@@ -154,8 +154,7 @@ def evaluate(candidate: Candidate, inputs: PlanInputs) -> PlanRow:
                     checkpointed_units=transformer_block_units(len(units)) if candidate.checkpointed else frozenset(),
                     reductions_in_flight=inputs.reductions_in_flight,
                     reduce_bucket_elements=inputs.reduce_bucket_elements)
-    peaks = predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed])
-    peak = max(phase["total"] for phase in peaks.values())
+    peak = device_peak_bytes(predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed]))
     per_tier = {tier: nbytes / layout.world_size for tier, nbytes in ledger_bytes_by_tier(spec).items()}
     return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work),
                    peak <= inputs.memory_budget)

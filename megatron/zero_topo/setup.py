@@ -48,7 +48,8 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
                           prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize,
                           loss_scaling=LossScaleSettings.from_config(cfg.precision),
                           overlap_reduce=bool(zero.overlap_comm), reduce_bucket_elements=int(zero.reduce_bucket_size),
-                          reduce_buckets_in_flight=int(zero.reduce_buckets_in_flight))
+                          reduce_buckets_in_flight=int(zero.reduce_buckets_in_flight),
+                          gradient_predivide_factor=cfg.precision.gradient_predivide_factor)
     if quant.error_feedback and not any(unit.residuals for unit in engine.units):
         log_print("quantization_error_feedback: no residual is kept in this layout (error feedback "
                   "corrects only a quantized gradient hop across nodes that follows the node's "
