@@ -10,7 +10,10 @@ ties the signal to the thread that started a process, which this code does not c
 cases a watchdog thread compares os.getppid() with the parent once a second and exits the process
 (LAUNCHER_GONE = 3, megatron/exit_codes.py, after one line on stderr) when the rank has been handed
 to init or a subreaper; it is what works where prctl does not (not Linux, or the signal refused).
-Without the variable (train.py started by hand, `nohup`) nothing is watched.
+Without the variable (train.py started by hand, `nohup`) nothing is watched. Under srun the watchdog
+fires when slurmstepd dies; a `kill -9` of srun itself leaves slurmstepd (the parent) alive, so the
+ranks stay until Slurm ends the step: when a batch job's script exits (InactiveLimit does not apply
+to batch jobs), or, for an interactive allocation, after the site's InactiveLimit (docs/launch.md).
 
 Stop signals. The trainer's SIGTERM handler asks for a save at the next step, and Python runs
 handlers only between bytecodes: a rank blocked inside a collective whose peer is gone never runs

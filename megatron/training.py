@@ -26,6 +26,9 @@ from megatron.numerics import NumericsWatch
 from megatron.runtime import Runtime
 from megatron.schedule import learning_rate, schedule_from_config
 
+# Written to metrics.jsonl (and tensorboard/wandb) after every step, not only every log_interval.
+EVERY_STEP_METRICS = ("train/loss_scale", "train/skipped_steps")
+
 
 @dataclass
 class Batching:
@@ -151,6 +154,8 @@ class Trainer:
                 if self.runtime.is_main:
                     progress.print(self.iteration, metrics["train/lm_loss"], metrics["train/learning_rate"],
                                    metrics["train/grad_norm"], tokens_per_sec)
+            else:  # the numerics every step, as NeoX logs them: a skip between logged steps is not lost
+                self.metrics.log(self.iteration, {key: metrics[key] for key in EVERY_STEP_METRICS})
             self.numerics.raise_if_diverged(self.iteration)
             if self.valid_data is not None and tcfg.eval_iters > 0 and (
                     self.iteration % tcfg.eval_interval == 0 or self.iteration == tcfg.train_iters):

@@ -28,7 +28,8 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in `<log_dir>/metrics.jsonl`, mirrored to tb/wandb."""
+    """One JSON object per `log` call in `<log_dir>/metrics.jsonl`, mirrored to tb/wandb: the trainer
+    logs a full record every log_interval steps, the numerics alone on the steps between, and evaluations."""
 
     def __init__(self, log_dir: str, *, enabled: bool, tensorboard_dir: str | None = None,
                  use_wandb: bool = False, wandb_project: str = "neox-topo",

@@ -364,9 +364,8 @@ class ZeroTopoEngine:
 
     @property
     def backward_scale(self) -> float:
-        """The factor on a micro-batch's mean loss before backward: loss scale / (A x predivide); with
-        predivide = N a sample's gradient enters as in a single process on the same global batch
-        (fp16 overflows at the same scales). Error-feedback residuals are stored divided by it."""
+        """loss scale / (A x predivide), the factor on a micro-batch's loss before backward: with predivide
+        N a sample's gradient is a single process's (same fp16 overflows). EF residuals are stored / it."""
         return self.loss_scale.scale / (self.accumulation_steps * self.predivide)
 
     # -- the loop's interface -----------------------------------------------------------------------
@@ -446,8 +445,8 @@ class ZeroTopoEngine:
         """sqrt of the sum of squares over all slices; replica 0 counts, one world all-reduce."""
         world = self.groups.world
         local = sum(float(g.double().square().sum()) for g in grads) if self.groups.replica.index(self.groups.rank) == 0 else 0.0
-        if self.qcomm is not None and self.qcomm.overflow:
-            local = math.inf  # a quantized hop met NaN/inf (sent as zeros): every rank skips the step
+        if (self.qcomm is not None and self.qcomm.overflow) or local > torch.finfo(torch.float32).max:
+            local = math.inf  # a quantized hop met NaN/inf, or beyond fp32 (torch's norm: inf): all skip
         vec = torch.zeros(world.size, dtype=torch.float32, device=self.device)
         vec[world.index(self.groups.rank)] = local
         self.comm.all_reduce(vec, world, "control")
