@@ -35,7 +35,7 @@ from megatron.engine import LocalEngine, adamw_param_groups, lm_loss
 from megatron.loss_scale import LossScaleSettings
 from megatron.topology import ProcessGroups, ShardFactors, Topology, preset_factors
 from megatron.zero_topo import Communicator, EngineError, ZeroTopoEngine
-from test_engine import LR, OPT, build_model, global_batch, make_batch
+from test_engine import LR, MICRO_BSZ, OPT, build_model, global_batch, make_batch
 
 LAYOUT, WORLD, ACCUM, STEPS = [2, 2], 4, 2, 14
 POWER, WINDOW, HYSTERESIS = 28, 1000, 2
@@ -133,7 +133,7 @@ def deepspeed_main(out: str) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     device = torch.device(get_accelerator().device_name(), 0)
     model = build_model()
-    config = {"train_micro_batch_size_per_gpu": 2 * WORLD, "gradient_accumulation_steps": ACCUM,
+    config = {"train_micro_batch_size_per_gpu": MICRO_BSZ * WORLD, "gradient_accumulation_steps": ACCUM,
               "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(OPT.betas), "eps": OPT.eps,
                                                         "weight_decay": OPT.weight_decay, "torch_adam": True}},
