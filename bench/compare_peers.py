@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -181,7 +181,8 @@ def rank_main(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     out = Path(args.workdir) / f"rank{rank}.json"
     torch.set_num_threads(1)
-    config = BY_KEY[args.config]
+    fields = json.loads(args.config)
+    config = Config(**{**fields, "overrides": tuple(fields["overrides"])})
     shape = bench_shape(args.model, args.layouts[0], args.accumulation[0])
     overrides = list(config.overrides)
     if config.has_overlap and args.overlap in ("on", "off"):
@@ -230,7 +231,7 @@ def launch_command(args: argparse.Namespace, config: Config, layout: str, accumu
                    workdir: Path) -> list[str]:
     tiers = LAYOUTS[layout]
     per_node = peers.Shape(tiers=tiers).ranks_per_node
-    inner = [sys.executable, str(Path(__file__).resolve()), "--rank-main", "--config", config.key,
+    inner = [sys.executable, str(Path(__file__).resolve()), "--rank-main", "--config", json.dumps(asdict(config)),
              "--layouts", layout, "--accumulation", str(accumulation),
              *(["--overlap", overlap] if overlap != "default" else []),
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
@@ -358,7 +359,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-json", metavar="PATH", help="run nothing: table and chart from an earlier results JSON")
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take (default 600)")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--config", choices=tuple(BY_KEY), help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)  # a rank's Config as JSON (any configuration, e.g. bench/time_model.py's)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:

@@ -61,12 +61,15 @@ def test_a_probe_on_four_ranks_feeds_the_time_model_and_the_planner(tmp_path, ca
     device = data["device"]
     assert device["achieved_flops"] > 0 and device["optimizer_elements_per_s"] > 0
     assert 0.0 <= device["overlap_efficiency"] <= 1.0
+    assert set(device["overlap_by_tier"]) == {"inter_node", "intra_node"}
+    assert all(0.0 <= e <= 1.0 for e in device["overlap_by_tier"].values())
     assert len(data["samples"]) == 2 * 4 * 2  # tiers x ops x sizes
     assert {c["group"] for c in data["checks"]} == {"world"}
     # the model reads it ...
     hw = Hardware.from_topology(__import__("megatron.topology", fromlist=["Topology"]).Topology.simulated((2, 2)),
                                 backend="nccl").with_probe(str(out), str(out))
     assert hw.backend == "gloo" and hw.device.achieved_flops == device["achieved_flops"]
+    assert hw.device.overlap("intra_node") == device["overlap_by_tier"]["intra_node"]
     fig = data["tiers"]["inter_node"]
     assert hw.link("ring_allgather", "inter_node").bandwidth == pytest.approx(fig["bandwidth_gbs"] * 1e9)
     # ... and so does the planner's command line

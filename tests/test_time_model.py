@@ -126,6 +126,51 @@ def test_prefetch_and_overlapped_reduction_hide_what_the_schedule_says():
     assert flat.total_s == pytest.approx(sum(FWD) * 3 + 8 * RING + CONTROL + OPTIMIZER_S)
 
 
+def test_each_tier_hides_with_its_own_overlap_efficiency():
+    # zero_topo (2, 2, 4) on (2, 2): micro-step gathers and reductions stay in the node (intra_node).
+    # A device that hides in-node transfers at 0.5 and cross-node ones fully: in-node windows of
+    # compute C and transfers M cost C + M - min(0.5 M, 0.5 C); the boundary hides nothing anyway.
+    units = (800, 800, 800)
+    spec = CommSpec(units, (2, 2), preset="zero_topo")
+    node_pair = 1 * INTRA_LAT + 0.5 * 800 * 4 / INTRA_BW           # one gather or reduce-scatter: 1.7 s
+    f0, f1, f2 = FWD
+    G = R = node_pair
+
+    def window(c, m):
+        return c + m - min(0.5 * m, 0.5 * c)
+    forward = G + window(f0, G) + window(f1, G) + f2
+    backward = window(2 * f2, G) + window(2 * f1, G + R) + window(2 * f0, R) + R
+    cross = 1 * INTER_LAT + 1.0 * 800 * 4 // 2 / INTER_BW            # S/g over two concurrent pairs per node
+    control = sum(_allreduce(n) for n in (4 * 4, 4 * 8, 32 * 8))
+    optimizer = 3 * 200 / 100.0                                      # S/os = 200 elements per unit
+    base = toy_hardware(efficiency=1.0)
+    device = Device("toy", 1000.0, 100.0, 1e9, 1.0, 1e12, {"intra_node": 0.5})
+    hw = Hardware(base.links, device, "nccl")
+    st = step_time(spec, hw, StepWork(TOKENS, FLOPS_PER_TOKEN, prefetch_gathers=True, overlap_comm=True))
+    assert st.total_s == pytest.approx(forward + backward + 3 * cross + 3 * cross + control + optimizer)
+
+
+def _allreduce(nbytes: int) -> float:
+    """A world all-reduce on (2, 2): 6 steps at the node link's latency, each node sends 2 x 3/4 B."""
+    return 6 * INTER_LAT + 1.5 * nbytes / INTER_BW
+
+
+def test_quantization_kernels_are_never_hidden():
+    # The same INT8 gathers as below, on a device that hides transfers fully: the wire time of
+    # unit u+1's gather hides behind unit u's forward, its kernel time does not.
+    block = 100
+    quant = QuantSpec.from_settings(quantized_weights=True, block_size=block)
+    spec = CommSpec((1600, 1600, 1600), (2, 2), preset="stage3", quant=quant)
+    rate = 1000.0
+    kernel = 1600 * (1 + 1 / 4) / 2 / rate                            # 1 s per gather
+    hw = toy_hardware(efficiency=1.0, quantize_rate=rate)
+    long_forward = StepWork(TOKENS, (1e6, 1e6, 1e6), prefetch_gathers=True, overlap_comm=True)
+    st = step_time(spec, hw, long_forward)
+    wire = 3 * INTER_LAT + 0.75 * (1600 + 4 * 1600 // block) / INTER_BW
+    # forward gathers: unit 0's exposed (wire + kernel), units 1 and 2 behind compute (kernel only)
+    assert st.exposed_s["fwd_gather"] == pytest.approx(wire + kernel + 2 * kernel)
+
+
 def test_accumulation_repeats_the_micro_step_and_not_the_boundary():
     work = StepWork(TOKENS, FLOPS_PER_TOKEN, prefetch_gathers=False, overlap_comm=False)
     one = step_time(zero3_spec(micro_batches=1), toy_hardware(), work).total_s
@@ -215,7 +260,7 @@ def probe_dict(**overrides) -> dict:
             "tiers": {"inter_node": {"bandwidth_gbs": 1e-7, "latency_us": 2e6},
                       "intra_node": {"bandwidth_gbs": 1e-6, "latency_us": 1e5}},
             "algorithms": {"ring_reduce_scatter": {"inter_node": {"bandwidth_gbs": 5e-8, "latency_us": 4e6}}},
-            "device": {"achieved_flops": 500.0, "overlap_efficiency": 0.5}}
+            "device": {"achieved_flops": 500.0, "overlap_efficiency": 0.5, "overlap_by_tier": {"intra_node": 0.1}}}
     data.update(overrides)
     return data
 
@@ -230,6 +275,7 @@ def test_probe_figures_replace_the_presets_per_tier_and_per_algorithm(tmp_path):
     assert hw.link("ring_allreduce", "inter_node") == TierLink(100.0, 2.0)        # falls back to the ring gather
     assert hw.link(RING_ALLGATHER, "intra_gpu") == TierLink(GCD_BW, GCD_LAT)      # not probed: the preset's
     assert hw.device.achieved_flops == 500.0 and hw.device.overlap_efficiency == 0.5
+    assert hw.device.overlap("intra_node") == 0.1 and hw.device.overlap("inter_node") == 0.5
     assert hw.device.optimizer_elements_per_s == 100.0
     # ... and the step reads them: nothing overlapped, world ring gathers at the probe's inter-node rate.
     work = StepWork(TOKENS, FLOPS_PER_TOKEN, prefetch_gathers=False, overlap_comm=False)
@@ -243,7 +289,8 @@ def test_probe_figures_replace_the_presets_per_tier_and_per_algorithm(tmp_path):
 @pytest.mark.parametrize("bad,match", [({"format": "x"}, "not a link probe"),
                                        ({"algorithms": {"tree": {}}}, "unknown algorithm"),
                                        ({"tiers": {"inter_node": {"bandwidth_gbs": 0, "latency_us": 1}}}, "must be > 0"),
-                                       ({"tiers": {"inter_node": {"latency_us": 1}}}, "needs numbers")])
+                                       ({"tiers": {"inter_node": {"latency_us": 1}}}, "needs numbers"),
+                                       ({"device": {"overlap_by_tier": {"inter_node": 1.5}}}, "in \\[0, 1\\]")])
 def test_a_bad_probe_is_a_one_line_error(bad, match):
     with pytest.raises(CommModelError, match=match):
         toy_hardware().with_probe(probe_dict(**bad), "p.json")

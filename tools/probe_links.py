@@ -15,8 +15,9 @@ sizes; a line ``steps x latency + load / bandwidth`` fitted to each (algorithm, 
 figures, with the load and steps the time model itself computes for those groups
 (``time_model.footprint``), so the two read the same numbers. Then, with every rank at once: the
 model's forward + backward (achieved FLOP/s), the AdamW update (elements/s), a quantize +
-dequantize (elements/s), and the overlap efficiency (a cross-node all-gather issued before a
-forward + backward: the share of min(compute, communication) that disappeared). Last, the world and
+dequantize (elements/s), and per tier the overlap efficiency (an all-gather in the tier's band
+groups issued before a forward + backward: the share of min(compute, communication) that
+disappeared). Last, the world and
 node groups' all-gather and reduce-scatter are timed and set beside the fitted model's prediction
 (``checks``). Rank 0 writes the JSON (format ``neox-topo-link-probe/1``) that ``topology.link_figures``,
 ``Hardware.with_probe`` and ``tools/plan.py --probe`` read.
@@ -221,33 +222,40 @@ class Probe:
             codes, scales = quantizer.quantize(x, bits=8, block=256)
             quantizer.dequantize(codes, scales, bits=8, block=256, numel=x.numel(), dtype=torch.float32)
         quant_s = self.timed_all(quantize_round_trip, self.args.repeats)
+        by_tier = self.overlap_efficiency(model, tokens, compute_s)
         figures = {"achieved_flops": flops / compute_s, "optimizer_elements_per_s": n / adam_s,
                    "quantize_elements_per_s": x.numel() / quant_s,
-                   "overlap_efficiency": self.overlap_efficiency(model, tokens, compute_s)}
+                   "overlap_efficiency": next(iter(by_tier.values())),  # the slowest tier's: the default
+                   "overlap_by_tier": by_tier}
         if self.device.type == "cuda":
             figures["memory_bytes"] = float(torch.cuda.get_device_properties(self.device).total_memory)
         return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s}
 
-    def overlap_efficiency(self, model, tokens, compute_s: float) -> float:
-        """(Tc + Tm - Tboth) / min(Tc, Tm) for a cross-node (else the slowest band's) all-gather."""
-        name = next(n for n in self.kinds if n.startswith("band:"))
-        _groups, group = self.kinds[name]
-        k = group.size
-        elems = self.args.sizes_kb[-1] * 1024 // 4 // k * k
-        full, part = torch.empty(elems, device=self.device), torch.ones(elems // k, device=self.device)
+    def overlap_efficiency(self, model, tokens, compute_s: float) -> dict:
+        """{tier: (Tc + Tm - Tboth) / min(Tc, Tm)} for an all-gather in the tier's band groups issued
+        before a forward + backward, clipped to [0, 1]: how much of that tier's transfers the device
+        hides behind compute (on a CPU, a slow NIC's hides and a loopback copy does not)."""
+        out = {}
+        for name, (_groups, group) in self.kinds.items():
+            if not name.startswith("band:"):
+                continue
+            k = group.size
+            elems = self.args.sizes_kb[-1] * 1024 // 4 // k * k
+            full, part = torch.empty(elems, device=self.device), torch.ones(elems // k, device=self.device)
 
-        def comm_only() -> None:
-            _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
-            pending.wait()
+            def comm_only() -> None:
+                _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
+                pending.wait()
 
-        def both() -> None:
-            _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
-            self.forward_backward(model, tokens)
-            pending.wait()
-        comm_s = self.timed_all(comm_only, self.args.repeats)
-        both_s = self.timed_all(both, self.args.repeats)
-        hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
-        return min(max(hidden, 0.0), 1.0)
+            def both() -> None:
+                _charges, pending = self.comm.start_all_gather(full, part, group, PHASE)
+                self.forward_backward(model, tokens)
+                pending.wait()
+            comm_s = self.timed_all(comm_only, self.args.repeats)
+            both_s = self.timed_all(both, self.args.repeats)
+            hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
+            out[name.split(":", 1)[1]] = min(max(hidden, 0.0), 1.0)
+        return out
 
 
 def fit_line(points: list, steps: int) -> dict:

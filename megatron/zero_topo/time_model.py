@@ -21,8 +21,10 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   last one is waited for at the end of the backward; every pass starts with its first gather
   exposed; the step boundary (cross-node gradient reduction, replica all-reduce, optimizer, weight
   refresh) and the control all-reduces overlap nothing. In a window of compute C and communication
-  M the hardware hides ``overlap_efficiency x min(C, M)``: about 1 on a GPU (separate engines),
-  about 0 on a CPU whose cores run both (measured on the emulated cluster, tools/probe_links.py).
+  M the hardware hides ``e x min(C, M)``, e the overlap efficiency of the tier each transfer runs
+  on (``Device.overlap``): about 1 on a GPU (separate engines); on a CPU high for a slow NIC (the
+  transfer waits in the kernel) and low for loopback copies on the cores that compute (measured by
+  tools/probe_links.py per tier). Quantization kernels are the device's own work: never hidden.
 
 The link figures come from the topology (``Topology`` tiers: per-link bandwidth, links, latency),
 overridden per algorithm and tier by a probe file (tools/probe_links.py, ``Hardware.with_probe``);
@@ -79,6 +81,12 @@ class Device:
     """Share of min(compute, communication) hidden when the engine overlaps them (0..1)."""
     memory_bytes: float
     """Memory of one device (the planner's default budget)."""
+    overlap_by_tier: Mapping = field(default_factory=dict)
+    """{tier: efficiency} where a tier's transfers hide differently (a probe: on a CPU, a slow
+    NIC's transfer waits in the kernel and hides, a loopback copy takes the same cores and does not)."""
+
+    def overlap(self, tier: Optional[str]) -> float:
+        return self.overlap_by_tier.get(tier, self.overlap_efficiency)
 
 
 # Public peak figures with an assumed achieved share; a probe on the machine replaces them.
@@ -142,7 +150,10 @@ class Hardware:
                 raise CommModelError(f"{path}: unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
             measured.update({(algorithm, tier): _tier_link(v, path) for tier, v in per_tier.items()})
         device = self.device
-        rates = {k: float(v) for k, v in data.get("device", {}).items() if k in _DEVICE_RATES}
+        given = data.get("device", {})
+        rates = {k: float(v) for k, v in given.items() if k in _DEVICE_RATES}
+        if "overlap_by_tier" in given:
+            rates["overlap_by_tier"] = {tier: _fraction(v, path) for tier, v in given["overlap_by_tier"].items()}
         if rates:
             device = dataclasses.replace(device, name=f"{device.name}+probe", **rates)
         return Hardware(links, device, data.get("backend", self.backend), measured, source=f"probe {path}")
@@ -150,6 +161,16 @@ class Hardware:
 
 _DEVICE_RATES = ("achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s",
                  "overlap_efficiency", "memory_bytes")
+
+
+def _fraction(value, path: str) -> float:
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise CommModelError(f"{path}: an overlap efficiency must be a number in [0, 1]; got {value!r}")
+    return share
 
 
 def _tier_link(entry: Mapping, path: str) -> TierLink:
@@ -313,15 +334,31 @@ def footprint_time_s(fp: Footprint, nbytes: float, hw: Hardware) -> float:
     return fp.steps * hw.link(fp.algorithm, fp.slowest_tier).latency_s + bandwidth_s
 
 
-def collective_time_s(col: Collective, spec: CommSpec, hw: Hardware) -> float:
-    """All ``col.count`` runs of one collective, with its quantization kernels."""
+@dataclass(frozen=True)
+class Transfer:
+    """One run of a collective as the schedule sees it: time on the links (hidable behind compute
+    with the tier's overlap efficiency) and time in quantization kernels (the device's own work,
+    never hidden)."""
+    phase: str
+    wire_s: float
+    kernel_s: float
+    tier: Optional[str]
+    """The slowest tier it spans (its overlap efficiency applies)."""
+
+
+def transfer_of(col: Collective, spec: CommSpec, hw: Hardware) -> Transfer:
+    """One run of ``col`` (of its ``count``)."""
     fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
     if fp.k == 1:
-        return 0.0
-    seconds = footprint_time_s(fp, col.nbytes, hw)
-    if col.bits:
-        seconds += quantized_elements(col, spec, fp.k) / hw.device.quantize_elements_per_s
-    return col.count * seconds
+        return Transfer(col.phase, 0.0, 0.0, None)
+    kernel = quantized_elements(col, spec, fp.k) / hw.device.quantize_elements_per_s if col.bits else 0.0
+    return Transfer(col.phase, footprint_time_s(fp, col.nbytes, hw), kernel, fp.slowest_tier)
+
+
+def collective_time_s(col: Collective, spec: CommSpec, hw: Hardware) -> float:
+    """All ``col.count`` runs of one collective, with its quantization kernels."""
+    t = transfer_of(col, spec, hw)
+    return col.count * (t.wire_s + t.kernel_s)
 
 
 def quantized_elements(col: Collective, spec: CommSpec, k: int) -> float:
@@ -374,21 +411,29 @@ class StepTime:
 class _Timeline:
     """Adds windows of compute and communication to the critical path, attributing by phase."""
 
-    def __init__(self, efficiency: float):
-        self.efficiency, self.exposed = efficiency, {}
+    def __init__(self, device: Device):
+        self.device, self.exposed = device, {}
 
     def add(self, name: str, seconds: float) -> None:
         if seconds:
             self.exposed[name] = self.exposed.get(name, 0.0) + seconds
 
-    def window(self, compute: dict, comm: list) -> None:
-        """Compute {name: s} with communication [(phase, s)] behind it."""
-        c, m = sum(compute.values()), sum(s for _, s in comm)
-        hidden = self.efficiency * min(c, m)
+    def exposed_transfers(self, transfers: list) -> None:
+        for t in transfers:
+            self.add(t.phase, t.wire_s + t.kernel_s)
+
+    def window(self, compute: dict, transfers: list) -> None:
+        """Compute {name: s} with ``transfers`` behind it. Transfer i can hide e_i x its wire time
+        (e_i its tier's overlap efficiency), and all of them together at most e x C, e the
+        wire-weighted efficiency: with one efficiency e this is e x min(C, M). Kernels stay exposed."""
+        c = sum(compute.values())
         for name, s in compute.items():
             self.add(name, s)
-        for phase, s in comm:
-            self.add(phase, s - hidden * s / m if m else 0.0)
+        hidable = [self.device.overlap(t.tier) * t.wire_s for t in transfers]
+        wire, can = sum(t.wire_s for t in transfers), sum(hidable)
+        hidden = min(can, can / wire * c) if wire else 0.0
+        for t, h in zip(transfers, hidable):
+            self.add(t.phase, t.wire_s - (hidden * h / can if can else 0.0) + t.kernel_s)
 
 
 def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
@@ -405,39 +450,32 @@ def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
     fwd = [f * work.tokens_per_micro_batch / rate for f in work.unit_flops_per_token]
     prefetch = work.prefetch_gathers
     overlap = spec.reductions_in_flight > 0 if work.overlap_comm is None else work.overlap_comm
-    line = _Timeline(hw.device.overlap_efficiency)
+    line = _Timeline(hw.device)
 
     def comm(slot: str, u: int, m: int) -> list:
         return per_micro.get((slot, u, m), [])
 
     for m in range(a):
-        for phase, s in comm("gather_f", 0, m):
-            line.add(phase, s)
+        line.exposed_transfers(comm("gather_f", 0, m))
         for u in range(units):
             ahead = comm("gather_f", u + 1, m) if u + 1 < units else []
             line.window({COMPUTE: fwd[u]}, ahead if prefetch else [])
             if not prefetch:
-                for phase, s in ahead:
-                    line.add(phase, s)
+                line.exposed_transfers(ahead)
         for u in reversed(range(units)):
             behind = comm("gather_b", u - 1, m) if prefetch and u > 0 else []
             if not prefetch:
-                for phase, s in comm("gather_b", u, m):
-                    line.add(phase, s)
+                line.exposed_transfers(comm("gather_b", u, m))
             if overlap and u + 1 < units:
                 behind = behind + comm("reduce", u + 1, m)
             recompute = fwd[u] if u in spec.checkpointed_units else 0.0
             line.window({COMPUTE: 2 * fwd[u], RECOMPUTE: recompute}, behind)
             if not overlap:
-                for phase, s in comm("reduce", u, m):
-                    line.add(phase, s)
-            for phase, s in comm("reduce_sync", u, m):  # issued after the unit's backward, done at once
-                line.add(phase, s)
+                line.exposed_transfers(comm("reduce", u, m))
+            line.exposed_transfers(comm("reduce_sync", u, m))  # issued after the unit's backward, done at once
         if overlap:
-            for phase, s in comm("reduce", 0, m):
-                line.add(phase, s)
-    for phase, s in boundary:
-        line.add(phase, s)
+            line.exposed_transfers(comm("reduce", 0, m))
+    line.exposed_transfers(boundary)
     os_ = spec.resolved_factors()[2]
     line.add(OPTIMIZER, sum(s // os_ for s in padded_unit_numels(spec)) / hw.device.optimizer_elements_per_s)
     flops = 3 * sum(work.unit_flops_per_token) * work.tokens_per_micro_batch * a
@@ -445,13 +483,14 @@ def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
 
 
 def _comm_by_slot(spec: CommSpec, hw: Hardware):
-    """Collective seconds by (slot, unit, micro-batch) for the per-micro-batch phases (slot gather_f,
-    gather_b, reduce), the step boundary's [(phase, s)], totals by phase and the cross-node totals."""
+    """Transfers by (slot, unit, micro-batch) for the per-micro-batch phases (slot gather_f,
+    gather_b, reduce), the step boundary's transfers, seconds by phase and the cross-node seconds."""
     per_micro: dict = {}
     boundary, totals, inter = [], {}, {}
     a = spec.micro_batches
     for col in step_collectives(spec):
-        seconds = collective_time_s(col, spec, hw)
+        once = transfer_of(col, spec, hw)
+        seconds = col.count * (once.wire_s + once.kernel_s)
         if not seconds:
             continue
         totals[col.phase] = totals.get(col.phase, 0.0) + seconds
@@ -459,18 +498,17 @@ def _comm_by_slot(spec: CommSpec, hw: Hardware):
         if fp.domain_load.get("inter_node", 0.0) > 0:
             inter[col.phase] = inter.get(col.phase, 0.0) + seconds
         if col.phase in BOUNDARY_PHASES or col.phase == "eval_gather" or col.unit is None:
-            boundary.append((col.phase, seconds))
+            boundary += [once] * col.count
             continue
         slot = {"fwd_gather": "gather_f", "bwd_gather": "gather_b", "recompute_gather": "gather_b",
                 "grad_reduce": "reduce"}[col.phase]
         if slot == "reduce" and hw.backend == "gloo" and fp.algorithm == RING_REDUCE_SCATTER:
             slot = "reduce_sync"  # comm.py runs gloo's ring of sends itself, before returning
-        once = seconds / col.count
         # A collective run every micro-batch (count a) lands in each; zeropp's world gather (count 1)
         # in the first micro-batch, its node gathers (count a - 1) in the others.
         first = 0 if col.count == a else (1 if col.phase == "fwd_gather" and _has_world_gather(spec, col) else 0)
         for m in range(first, first + col.count):
-            per_micro.setdefault((slot, col.unit, min(m, a - 1)), []).append((col.phase, once))
+            per_micro.setdefault((slot, col.unit, min(m, a - 1)), []).append(once)
     return per_micro, boundary, totals, inter
 
 
