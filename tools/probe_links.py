@@ -206,7 +206,7 @@ class Probe:
             runs.append(self.slowest(time.perf_counter() - start))
         return statistics.median(runs[1:])
 
-    def device_figures(self) -> dict:
+    def device_figures(self, fits: dict) -> dict:
         from megatron.ops.quant import get_quantizer
         from megatron.zero_topo.optimizer import AdamWHyper, adamw_update
         model, tokens, flops = self.model()
@@ -222,7 +222,7 @@ class Probe:
             codes, scales = quantizer.quantize(x, bits=8, block=256)
             quantizer.dequantize(codes, scales, bits=8, block=256, numel=x.numel(), dtype=torch.float32)
         quant_s = self.timed_all(quantize_round_trip, self.args.repeats)
-        by_tier = self.overlap_efficiency(model, tokens, compute_s)
+        by_tier = self.overlap_efficiency(model, tokens, compute_s, fits.get("ring_allgather", {}))
         figures = {"achieved_flops": flops / compute_s, "optimizer_elements_per_s": n / adam_s,
                    "quantize_elements_per_s": x.numel() / quant_s,
                    "overlap_efficiency": next(iter(by_tier.values())),  # the slowest tier's: the default
@@ -231,16 +231,26 @@ class Probe:
             figures["memory_bytes"] = float(torch.cuda.get_device_properties(self.device).total_memory)
         return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s}
 
-    def overlap_efficiency(self, model, tokens, compute_s: float) -> dict:
+    def overlap_efficiency(self, model, tokens, compute_s: float, gather_fits: dict) -> dict:
         """{tier: (Tc + Tm - Tboth) / min(Tc, Tm)} for an all-gather in the tier's band groups issued
         before a forward + backward, clipped to [0, 1]: how much of that tier's transfers the device
-        hides behind compute (on a CPU, a slow NIC's hides and a loopback copy does not)."""
+        hides behind compute (on a CPU, a slow NIC's hides and a loopback copy does not). The buffer
+        is sized by the tier's fitted figures so the gather takes about as long as the compute: with
+        a gather much shorter than the compute, noise decides the ratio."""
         out = {}
-        for name, (_groups, group) in self.kinds.items():
+        for name, (groups, group) in self.kinds.items():
             if not name.startswith("band:"):
                 continue
+            tier = name.split(":", 1)[1]
             k = group.size
-            elems = self.args.sizes_kb[-1] * 1024 // 4 // k * k
+            load = footprint(groups, self.layout, algorithm_of("allgather", groups[0], self.layout,
+                                                               self.backend)).domain_load[tier]
+            fig = gather_fits.get(tier)
+            nbytes = self.args.sizes_kb[-1] * 1024
+            if fig and load > 0:  # as long as the compute, within [largest probed size, 256 MiB]
+                nbytes = compute_s * fig["bandwidth_gbs"] * 1e9 / load
+                nbytes = min(max(nbytes, self.args.sizes_kb[-1] * 1024), 256 * 2**20)
+            elems = max(int(nbytes) // 4 // k, 1) * k
             full, part = torch.empty(elems, device=self.device), torch.ones(elems // k, device=self.device)
 
             def comm_only() -> None:
@@ -254,7 +264,7 @@ class Probe:
             comm_s = self.timed_all(comm_only, self.args.repeats)
             both_s = self.timed_all(both, self.args.repeats)
             hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
-            out[name.split(":", 1)[1]] = min(max(hidden, 0.0), 1.0)
+            out[tier] = min(max(hidden, 0.0), 1.0)
         return out
 
 
@@ -278,7 +288,7 @@ def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend
     started = time.monotonic()
     probe = Probe(args, rank, device, backend)
     fits, samples = probe.links()
-    device_part = probe.device_figures()
+    device_part = probe.device_figures(fits)
     checks = probe.checks(fits)
     result = None
     if rank == 0:
