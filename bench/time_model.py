@@ -150,10 +150,28 @@ def write(path, results) -> None:
     Path(path).write_text(json.dumps(results, indent=1) + "\n")
 
 
+def probe_markdown(results: dict) -> str:
+    """The figures each layout's probe measured (what the predictions used)."""
+    lines = ["| layout | algorithm | tier | bandwidth MB/s | latency us |", "|---|---|---|---|---|"]
+    for layout, probe in results.get("probes", {}).items():
+        for algorithm, per_tier in sorted(probe["algorithms"].items()):
+            for tier, fig in per_tier.items():
+                lines.append(f"| {layout} | {algorithm} | {tier} | {fig['bandwidth_gbs'] * 1e3:,.1f} | "
+                             f"{fig['latency_us']:,.0f} |")
+    lines += ["", "| layout | achieved GFLOP/s per rank | AdamW M elements/s | quantize M elements/s | "
+              "overlap by tier |", "|---|---|---|---|---|"]
+    for layout, probe in results.get("probes", {}).items():
+        d = probe["device"]
+        overlap = ", ".join(f"{t} {e:.2f}" for t, e in d.get("overlap_by_tier", {}).items())
+        lines.append(f"| {layout} | {d['achieved_flops'] / 1e9:.1f} | {d['optimizer_elements_per_s'] / 1e6:.1f} | "
+                     f"{d['quantize_elements_per_s'] / 1e6:.1f} | {overlap} |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     lines = [f"Rate {results['meta']['rate']}; {results['meta']['steps']} timed steps after "
              f"{results['meta']['warmup']} warmup; overlap_comm {results['meta']['overlap']}; comm.py at "
-             f"{results['meta'].get('comm_py', '?')}.", ""]
+             f"{results['meta'].get('comm_py', '?').split(' ')[0]}.", ""]
     header = ["layout", "preset", "A", "measured s", "predicted s", "error"] + [f"{g} s" for g in GROUPS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = results["rows"]
@@ -188,6 +206,8 @@ def main(argv=None) -> int:
         results = run(args, argv)
     if args.markdown:
         print(markdown(results))
+        print()
+        print(probe_markdown(results))
     return 0 if all(r["ok"] for r in results["rows"]) else 1
 
 
