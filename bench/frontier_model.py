@@ -45,6 +45,8 @@ CONFIGS = {
     "hsdp": ("hsdp", ()),
     "zero_topo": ("zero_topo", ()),
     "zero_topo INT8/INT4": ("zero_topo", QUANT),
+    "zero_topo INT4 cross/INT8 refresh": ("zero_topo", ("zero_optimization.cross_node_grad_bits=4",
+                                                        "zero_optimization.refresh_bits=8")),
 }
 PAPER_PAIR = ("zero_topo INT8/INT4", "zeropp (qwZ+qgZ)")
 BOUNDARY = ("cross_grad_reduce", "refresh", "replica_allreduce")
@@ -203,6 +205,36 @@ def plot(rows: list, args) -> None:
     fig.savefig(args.png, dpi=110)
 
 
+BANDWIDTH_FACTORS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+
+
+def plot_bandwidth(args) -> str:
+    """The paper pair's TFLOPS ratio at the largest node count against a factor on the inter-node
+    bandwidth: where the model would reach the paper's 1.71x."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    last = max(args.nodes)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for model in args.models:
+        ratios = [ratio_at(model, last, args.accumulation, args.probe, args.overlap_efficiency, scale_inter=f)
+                  for f in BANDWIDTH_FACTORS]
+        ax.plot(BANDWIDTH_FACTORS, ratios, marker="o", label=f"{model}, {last} nodes")
+    ax.axhline(PAPER_RATIO, color="grey", linestyle="--", label=f"paper: {PAPER_RATIO}x")
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xscale("log")
+    ax.invert_xaxis()
+    ax.set_xlabel("inter-node bandwidth / Frontier's nominal 4 x 25 GB/s per node")
+    ax.set_ylabel(f"TFLOPS {PAPER_PAIR[0]} / {PAPER_PAIR[1]}")
+    ax.set_title(f"predicted ratio, accumulation {args.accumulation}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = str(Path(args.png).with_name(Path(args.png).stem + "_bandwidth.png"))
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rows = [predict(model, label, n, args.accumulation, args.probe, overlap=args.overlap_efficiency)
@@ -211,7 +243,7 @@ def main(argv=None) -> int:
     print(sensitivity(args))
     if args.png:
         plot(rows, args)
-        print(f"\nchart: {args.png}")
+        print(f"\ncharts: {args.png}, {plot_bandwidth(args)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
