@@ -33,7 +33,8 @@ from megatron.config import load_config  # noqa: E402
 from megatron.topology import ShardLayout, Topology  # noqa: E402
 from megatron.zero_topo.model_inputs import padded_vocab_of, quant_spec_of  # noqa: E402
 from megatron.zero_topo.planner import Candidate, evaluate, inputs_from_config  # noqa: E402
-from megatron.zero_topo.time_model import Hardware, TierLink, scaling_efficiency  # noqa: E402
+from megatron.zero_topo.hardware import Hardware, TierLink  # noqa: E402
+from megatron.zero_topo.time_model import scaling_efficiency  # noqa: E402
 
 PAPER_RATIO, PAPER_EFFICIENCY = 1.71, 0.94
 GB = 1e9

@@ -34,7 +34,8 @@ import peers  # noqa: E402
 
 from megatron.topology import Topology  # noqa: E402
 from megatron.zero_topo.model_inputs import comm_spec_from_config, step_work_from_config  # noqa: E402
-from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, Hardware, step_time  # noqa: E402
+from megatron.zero_topo.hardware import Hardware  # noqa: E402
+from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, step_time  # noqa: E402
 
 DEFAULT_OUT = BENCH / "results" / "time_model.json"
 QUANT = compare_peers.QUANT

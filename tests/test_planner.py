@@ -14,7 +14,8 @@ from megatron.config import ConfigError, load_config
 from megatron.zero_topo.comm_model import QuantSpec
 from megatron.zero_topo.planner import (PlanInputs, apply_plan, candidate_layouts, plan_for_config, planned_config,
                                         search)
-from megatron.zero_topo.time_model import Device, Hardware, StepWork, TierLink
+from megatron.zero_topo.hardware import Device, Hardware, TierLink
+from megatron.zero_topo.time_model import StepWork
 
 UNITS = (20_000, 60_000, 60_000, 60_000, 30_000)  # embedding, 3 blocks, head
 

@@ -13,10 +13,10 @@ import pytest
 
 from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, CommModelError,
                                            CommSpec, QuantSpec, bytes_by_tier, predict_ledger)
-from megatron.zero_topo.time_model import (ALL_TO_ALL_SUM, COMPUTE, OPTIMIZER, PROBE_FORMAT, RING_ALLGATHER,
-                                           RING_REDUCE_SCATTER, Device, Hardware, StepWork, TierLink,
-                                           algorithm_of, footprint, footprint_time_s, ledger_bytes_by_tier,
-                                           scaling_efficiency, step_time)
+from megatron.zero_topo.hardware import (ALL_TO_ALL_SUM, Device, Hardware, PROBE_FORMAT, RING_ALLGATHER,
+                                         RING_REDUCE_SCATTER, TierLink)
+from megatron.zero_topo.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
+                                           footprint_time_s, ledger_bytes_by_tier, scaling_efficiency, step_time)
 
 # Round figures so the hand arithmetic stays readable: bytes/s into one domain, seconds per step.
 INTER_BW, INTER_LAT = 100.0, 1.0    # a node's NICs

@@ -31,7 +31,8 @@ from megatron.zero_topo.comm_model import CommModelError  # noqa: E402
 from megatron.zero_topo.model_inputs import padded_vocab_of, quant_spec_of  # noqa: E402
 from megatron.zero_topo.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
                                         search)
-from megatron.zero_topo.time_model import Hardware, scaling_efficiency  # noqa: E402
+from megatron.zero_topo.hardware import Hardware  # noqa: E402
+from megatron.zero_topo.time_model import scaling_efficiency  # noqa: E402
 
 TIER_COLUMNS = ("inter_node", "intra_node", "intra_gpu")
 

@@ -47,7 +47,8 @@ from megatron.topology.groups import RankGroup  # noqa: E402
 from megatron.zero_topo.comm import Communicator  # noqa: E402
 from megatron.zero_topo.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
 from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
-from megatron.zero_topo.time_model import PROBE_FORMAT, algorithm_of, footprint  # noqa: E402
+from megatron.zero_topo.hardware import PROBE_FORMAT  # noqa: E402
+from megatron.zero_topo.time_model import algorithm_of, footprint  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 MODEL_OP = {"all_gather": "allgather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
@@ -159,11 +160,12 @@ class Probe:
 
     def checks(self, fits: dict) -> list:
         """The spanning groups timed, beside the fitted model's prediction."""
-        from megatron.zero_topo.time_model import Device, Hardware, footprint_time_s, _tier_link
+        from megatron.zero_topo.hardware import Device, Hardware, tier_link
+        from megatron.zero_topo.time_model import footprint_time_s
         tiers = {t: v for t, v in fits.get("ring_allgather", {}).items()}
-        hw = Hardware({t: _tier_link(v, "probe") for t, v in tiers.items()},
+        hw = Hardware({t: tier_link(v, "probe") for t, v in tiers.items()},
                       Device("probe", 1, 1, 1, 0, 1), self.backend,
-                      {(a, t): _tier_link(v, "probe") for a, per in fits.items() for t, v in per.items()})
+                      {(a, t): tier_link(v, "probe") for a, per in fits.items() for t, v in per.items()})
         out = []
         nbytes = self.args.sizes_kb[-1] * 1024
         for name in ("node", "world"):

@@ -86,7 +86,7 @@ def hardware_from_config(cfg, world_size: Optional[int] = None):
     (``Hardware.from_topology``), overridden by ``topology.link_figures`` (a probe file) when set."""
     from megatron.config import world_size_of
     from megatron.topology import Topology
-    from megatron.zero_topo.time_model import Hardware
+    from megatron.zero_topo.hardware import Hardware
     topology = Topology.from_config(cfg, world_size or world_size_of(cfg))
     hw = Hardware.from_topology(topology, backend=backend_of(cfg))
     probe = cfg.topology.link_figures

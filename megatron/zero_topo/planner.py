@@ -21,7 +21,8 @@ from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _pres
 from megatron.topology.topology import TopologyError
 from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
 from megatron.zero_topo.memory_model import device_peak_bytes, predict_peak_bytes
-from megatron.zero_topo.time_model import Hardware, StepTime, StepWork, ledger_bytes_by_tier, step_time
+from megatron.zero_topo.hardware import Hardware
+from megatron.zero_topo.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time
 
 GB = 1e9
 # Quantization choices the planner tries (when asked to): none, the step boundary only (INT4

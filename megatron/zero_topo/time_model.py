@@ -26,169 +26,27 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   transfer waits in the kernel) and low for loopback copies on the cores that compute (measured by
   tools/probe_links.py per tier). Quantization kernels are the device's own work: never hidden.
 
-The link figures come from the topology (``Topology`` tiers: per-link bandwidth, links, latency),
-overridden per algorithm and tier by a probe file (tools/probe_links.py, ``Hardware.with_probe``);
-the device figures from ``DEVICES`` or the probe.
+The figures (links per tier and per algorithm, the device) are ``megatron.zero_topo.hardware``'s:
+the topology's and the device table's, or a probe file's (tools/probe_links.py).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
                                            Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
                                            step_collectives, tier_between)
+from megatron.zero_topo.hardware import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
+                                         RING_REDUCE_SCATTER, Device, Hardware)
 
-PROBE_FORMAT = "neox-topo-link-probe/1"
-# Algorithms (what runs on the wire) and the probe's fallbacks when one was not measured.
-RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE = "ring_allgather", "ring_reduce_scatter", "ring_allreduce"
-PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM = "all_to_all", "all_to_all_sum"
-ALGORITHMS = (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE, PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM)
-FALLBACK = {RING_REDUCE_SCATTER: RING_ALLGATHER, RING_ALLREDUCE: RING_ALLGATHER, ALL_TO_ALL_SUM: PAIRWISE_ALL_TO_ALL}
-BACKENDS = ("nccl", "gloo")
 GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather")
 BOUNDARY_PHASES = ("cross_grad_reduce", "replica_allreduce", "refresh", "control")
 # Time categories that are not communication phases.
 COMPUTE, RECOMPUTE, OPTIMIZER = "compute", "recompute", "optimizer"
-
-
-@dataclass(frozen=True)
-class TierLink:
-    """One tier's links as one *domain* sees them (a node for inter_node, a rank otherwise)."""
-    bandwidth: float
-    """Bytes per second into (or out of) one domain through this tier."""
-    latency_s: float
-    """Seconds per algorithm step over this tier."""
-
-
-@dataclass(frozen=True)
-class Device:
-    """What one rank's device achieves (not its peak): the compute side of the model."""
-    name: str
-    achieved_flops: float
-    """Model FLOP/s one rank sustains in its forward and backward (all ranks computing at once)."""
-    optimizer_elements_per_s: float
-    """fp32 elements of the AdamW update per second (memory-bound)."""
-    quantize_elements_per_s: float
-    """Elements per second through one quantize + one dequantize (the quantized collectives' kernels)."""
-    overlap_efficiency: float
-    """Share of min(compute, communication) hidden when the engine overlaps them (0..1)."""
-    memory_bytes: float
-    """Memory of one device (the planner's default budget)."""
-    overlap_by_tier: Mapping = field(default_factory=dict)
-    """{tier: efficiency} where a tier's transfers hide differently (a probe: on a CPU, a slow
-    NIC's transfer waits in the kernel and hides, a loopback copy takes the same cores and does not)."""
-
-    def overlap(self, tier: Optional[str]) -> float:
-        return self.overlap_by_tier.get(tier, self.overlap_efficiency)
-
-
-# Public peak figures with an assumed achieved share; a probe on the machine replaces them.
-DEVICES = {
-    # MI250X GCD: 191.5 TFLOP/s bf16 dense, 64 GB HBM2E at 1.6 TB/s (OLCF Frontier user guide).
-    # Achieved: 35% of peak assumed for a 10-20B GPT (bf16); AdamW touches ~32 B/element; the
-    # quantizer ~10 B/element; RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
-    "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / 32, 1.6e12 / 10, 0.9, 64e9),
-    # H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; 40% achieved assumed.
-    "h100": Device("h100", 0.40 * 989e12, 3.35e12 / 32, 3.35e12 / 10, 0.9, 80e9),
-}
-DEVICE_OF_TOPOLOGY = {"dgx": "h100"}  # every other topology (frontier, sim..., slurm...) has Frontier's figures
-
-
-@dataclass(frozen=True)
-class Hardware:
-    links: Mapping
-    """{tier: TierLink}: the default figures of every tier of the layouts it is used with."""
-    device: Device
-    backend: str = "nccl"
-    """Which library runs the collectives ("nccl" = NCCL/RCCL, "gloo"): decides the reduce-scatter."""
-    algorithm_links: Mapping = field(default_factory=dict)
-    """{(algorithm, tier): TierLink} measured per algorithm (a probe); else FALLBACK, else ``links``."""
-    source: str = "preset"
-    """Where the figures come from, for the logs: "preset <name>" or "probe <path>"."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise CommModelError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-
-    def link(self, algorithm: str, tier: str) -> TierLink:
-        """The figures an algorithm sees on a tier: its own, its fallback's, else the tier's."""
-        for name in (algorithm, FALLBACK.get(algorithm)):
-            if (name, tier) in self.algorithm_links:
-                return self.algorithm_links[(name, tier)]
-        if tier not in self.links:
-            raise CommModelError(f"hardware ({self.source}) has no figures for tier {tier}")
-        return self.links[tier]
-
-    @classmethod
-    def from_topology(cls, topology, device: Optional[str] = None, backend: str = "nccl") -> "Hardware":
-        """Link figures from a ``Topology``'s tiers (bandwidth x links per domain), the device by name
-        (default: the topology's, DEVICE_OF_TOPOLOGY)."""
-        links = {t.name: TierLink(t.bandwidth_gbs * 1e9 * t.links, t.latency_us * 1e-6) for t in topology.tiers}
-        name = device or DEVICE_OF_TOPOLOGY.get(topology.name, "mi250x_gcd")
-        if name not in DEVICES:
-            raise CommModelError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-        return cls(links, DEVICES[name], backend, source=f"preset {topology.name}/{name}")
-
-    def with_probe(self, probe, path: str = "probe") -> "Hardware":
-        """These figures overridden by a probe (a dict in PROBE_FORMAT, or a path to one): per tier,
-        per (algorithm, tier), the device's rates and the backend; what the probe lacks stays."""
-        data = read_probe(probe) if isinstance(probe, (str, Path)) else probe
-        if data.get("format") != PROBE_FORMAT:
-            raise CommModelError(f"{path}: not a link probe (format {data.get('format')!r}, expected {PROBE_FORMAT})")
-        links = dict(self.links)
-        links.update({tier: _tier_link(v, path) for tier, v in data.get("tiers", {}).items()})
-        measured = dict(self.algorithm_links)
-        for algorithm, per_tier in data.get("algorithms", {}).items():
-            if algorithm not in ALGORITHMS:
-                raise CommModelError(f"{path}: unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-            measured.update({(algorithm, tier): _tier_link(v, path) for tier, v in per_tier.items()})
-        device = self.device
-        given = data.get("device", {})
-        rates = {k: float(v) for k, v in given.items() if k in _DEVICE_RATES}
-        if "overlap_by_tier" in given:
-            rates["overlap_by_tier"] = {tier: _fraction(v, path) for tier, v in given["overlap_by_tier"].items()}
-        if rates:
-            device = dataclasses.replace(device, name=f"{device.name}+probe", **rates)
-        return Hardware(links, device, data.get("backend", self.backend), measured, source=f"probe {path}")
-
-
-_DEVICE_RATES = ("achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s",
-                 "overlap_efficiency", "memory_bytes")
-
-
-def _fraction(value, path: str) -> float:
-    try:
-        share = float(value)
-    except (TypeError, ValueError):
-        share = -1.0
-    if not 0.0 <= share <= 1.0:
-        raise CommModelError(f"{path}: an overlap efficiency must be a number in [0, 1]; got {value!r}")
-    return share
-
-
-def _tier_link(entry: Mapping, path: str) -> TierLink:
-    """{bandwidth_gbs, latency_us} (GB/s per domain, us per step) as written by the probe or by hand."""
-    try:
-        bandwidth, latency = float(entry["bandwidth_gbs"]) * 1e9, float(entry["latency_us"]) * 1e-6
-    except (KeyError, TypeError, ValueError):
-        raise CommModelError(f"{path}: a tier entry needs numbers bandwidth_gbs and latency_us; got {entry!r}") from None
-    if bandwidth <= 0 or latency < 0:
-        raise CommModelError(f"{path}: bandwidth_gbs must be > 0 and latency_us >= 0; got {entry!r}")
-    return TierLink(bandwidth, latency)
-
-
-def read_probe(path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise CommModelError(f"cannot read the link probe {path}: {err}") from None
 
 
 # -- one collective ------------------------------------------------------------------------------
