@@ -135,3 +135,13 @@ def test_plan_cli_bad_input_is_one_line(capsys):
     code = plan_cli.main([str(REPO / "configs" / "20B.yml"), "--topology", "sim"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("plan: error: --topology sim needs --layout") and err.count("\n") == 1
+
+
+def test_plan_cli_names_the_missing_tokenizer(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    import plan as plan_cli
+    missing = tmp_path / "no-tokenizer.json"
+    code = plan_cli.main([str(REPO / "configs" / "tiny-cpu.yml"), "--topology", "sim", "--layout", "2", "2",
+                          "--set", f"vocab_file={missing}"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(missing) in err and "--set vocab_size=N" in err and err.count("\n") == 1

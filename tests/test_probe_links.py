@@ -75,6 +75,7 @@ def test_a_probe_on_four_ranks_feeds_the_time_model_and_the_planner(tmp_path, ca
     # ... and so does the planner's command line
     import plan as plan_cli
     code = plan_cli.main([str(REPO / "configs" / "tiny-cpu.yml"), "--topology", "sim", "--layout", "2", "2",
-                          "--probe", str(out), "--top", "2"])
-    text = capsys.readouterr().out
-    assert code == 0 and f"figures probe {out}" in text and "best:" in text
+                          "--probe", str(out), "--top", "2", "--set", "vocab_size=512"])
+    captured = capsys.readouterr()
+    text = captured.out
+    assert code == 0 and f"figures probe {out}" in text and "best:" in text, (code, captured.err, text)

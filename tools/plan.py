@@ -80,7 +80,8 @@ def plan_nodes(args, nodes: int):
     cfg = load_config(args.configs, [*args.overrides, *machine_overrides(args, nodes)], notices=[])
     vocab = padded_vocab_of(cfg)
     if vocab is None:
-        raise ConfigError("the vocabulary is unknown: set vocab_size (or make the tokenizer file readable)")
+        raise ConfigError(f"the vocabulary is unknown: the tokenizer file {cfg.tokenizer.vocab_file!r} is not there "
+                          "(python deepy.py train.py ... builds the demo one); or pass --set vocab_size=N")
     topology = Topology.from_config(cfg, cfg.topology.world_size)
     backend = args.backend or ("gloo" if args.topology == "sim" else "nccl")
     hw = Hardware.from_topology(topology, backend=backend)
