@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) deepy.py train.py configs/tiny-cpu.yml configs/sim-2x2x2.yml configs/zero_topo.yml
 
 # The loss-curve recipe (docs/loss_curves.md): data, five training runs, their figure and table.
-# `make repro` is the full recipe (~45 minutes on 2 cores) and publishes docs/figures/loss_curves.*;
+# `make repro` is the full recipe (52 minutes measured on 2 cores) and publishes docs/figures/loss_curves.*;
 # `make repro REPRO_STEPS=20` is a quick end-to-end check in runs/repro/20steps/ that publishes nothing.
 repro: $(STAMP)
 	$(PY) tools/repro_loss_curves.py $(if $(REPRO_STEPS),--steps $(REPRO_STEPS),--publish docs/figures)
