@@ -46,6 +46,29 @@ def _probe_rank(rank: int, world_size: int, out: str) -> dict | None:
     return probe_links.run_probe(args, rank, torch.device("cpu"), "gloo", ["test"])
 
 
+def _probe_one_device(rank: int, world_size: int, out: str) -> dict | None:
+    import torch
+    args = probe_links.parse_args(["--layout", "1", "1", "--out", out, "--repeats", "1",
+                                   "--model", "1", "32", "2", "16", "64", "1", "--optimizer-elements", "20000"])
+    return probe_links.run_probe(args, rank, torch.device("cpu"), "gloo", ["test"])
+
+
+def test_a_probe_on_one_device_gives_its_rates_and_keeps_the_presets_links(tmp_path):
+    out = tmp_path / "probe.json"
+    data = run_ranks("test_probe_links:_probe_one_device", 1, tmp_path / "ranks", timeout_s=300, out=str(out))[0]
+    assert data == json.loads(out.read_text()) and data["layout"] == [1, 1]
+    assert data["tiers"] == {} and data["algorithms"] == {} and data["checks"] == [] and data["samples"] == []
+    device = data["device"]
+    assert set(device) == {"achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s"}
+    assert all(v > 0 and math.isfinite(v) for v in device.values())
+    topology = __import__("megatron.topology", fromlist=["Topology"]).Topology.simulated((2, 2))
+    preset = Hardware.from_topology(topology, backend="nccl")
+    hw = preset.with_probe(str(out), str(out))
+    assert hw.links == preset.links and hw.device.overlap_efficiency == preset.device.overlap_efficiency
+    assert hw.device.achieved_flops == device["achieved_flops"]
+    assert hw.device.memory_bytes == preset.device.memory_bytes  # a CPU reports no device memory
+
+
 def test_a_probe_on_four_ranks_feeds_the_time_model_and_the_planner(tmp_path, capsys):
     out = tmp_path / "probe.json"
     results = run_ranks("test_probe_links:_probe_rank", 4, tmp_path / "ranks", timeout_s=300, out=str(out))

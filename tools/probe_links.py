@@ -21,6 +21,9 @@ disappeared). Last, the world and
 node groups' all-gather and reduce-scatter are timed and set beside the fitted model's prediction
 (``checks``). Rank 0 writes the JSON (format ``neox-topo-link-probe/1``) that ``topology.link_figures``,
 ``Hardware.with_probe`` and ``tools/plan.py --probe`` read.
+
+On one device (``--layout 1 1``, WORLD_SIZE=1) only the device's rates are measured: the file then
+replaces the preset's compute, optimizer and quantizer rates and keeps its links and overlap.
 """
 from __future__ import annotations
 
@@ -169,7 +172,7 @@ class Probe:
         out = []
         nbytes = self.args.sizes_kb[-1] * 1024
         for name in ("node", "world"):
-            if name not in self.kinds:
+            if name not in self.kinds or not tiers:  # one device: no link was fitted, none to check
                 continue
             groups, mine = self.kinds[name]
             for op in ("all_gather", "reduce_scatter"):
@@ -226,9 +229,10 @@ class Probe:
         quant_s = self.timed_all(quantize_round_trip, self.args.repeats)
         by_tier = self.overlap_efficiency(model, tokens, compute_s, fits.get("ring_allgather", {}))
         figures = {"achieved_flops": flops / compute_s, "optimizer_elements_per_s": n / adam_s,
-                   "quantize_elements_per_s": x.numel() / quant_s,
-                   "overlap_efficiency": next(iter(by_tier.values())),  # the slowest tier's: the default
-                   "overlap_by_tier": by_tier}
+                   "quantize_elements_per_s": x.numel() / quant_s}
+        if by_tier:  # one device alone (--layout 1 1) has no link to overlap: the preset's share stays
+            figures.update(overlap_efficiency=next(iter(by_tier.values())),  # the slowest tier's: the default
+                           overlap_by_tier=by_tier)
         if self.device.type == "cuda":
             figures["memory_bytes"] = float(torch.cuda.get_device_properties(self.device).total_memory)
         return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s}
