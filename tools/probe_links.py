@@ -112,7 +112,7 @@ class Probe:
         self.kinds[name] = (groups, mine)
 
     def slowest(self, seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)  # NCCL: device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
@@ -208,6 +208,7 @@ class Probe:
             dist.barrier()
             start = time.perf_counter()
             fn()
+            self._sync()  # a GPU's kernels run after their launch returns
             runs.append(self.slowest(time.perf_counter() - start))
         return statistics.median(runs[1:])
 

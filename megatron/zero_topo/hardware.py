@@ -52,14 +52,24 @@ class Device:
         return self.overlap_by_tier.get(tier, self.overlap_efficiency)
 
 
-# Public peak figures with an assumed achieved share; a probe on the machine replaces them.
+# Public peak figures; the achieved shares and per-element costs measured on an H200 where they can
+# be (bench/results/h200_device_probe.json: tools/probe_links.py --layout 1 1 --dtype bf16 --model 4
+# 6144 64 2048 50432 2, 2026-12-04): forward + backward of four 20B-shaped blocks at 494 TFLOP/s =
+# 50% of the 989 dense bf16 peak; adamw_update at 5.25e10 elements/s = 4.8 TB/s / 91 B per element
+# (several torch passes, not one fused kernel); a Triton INT8 quantize + dequantize at 1.60e11
+# elements/s = 4.8 TB/s / 30 B. The per-element bytes are the code's, so they carry to other HBM; a
+# probe on the machine replaces all of it.
+ADAMW_HBM_BYTES_PER_ELEMENT, QUANTIZE_HBM_BYTES_PER_ELEMENT = 91.0, 30.0
 DEVICES = {
     # MI250X GCD: 191.5 TFLOP/s bf16 dense, 64 GB HBM2E at 1.6 TB/s (OLCF Frontier user guide).
-    # Achieved: 35% of peak assumed for a 10-20B GPT (bf16); AdamW touches ~32 B/element; the
-    # quantizer ~10 B/element; RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
-    "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / 32, 1.6e12 / 10, 0.9, 64e9),
-    # H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; 40% achieved assumed.
-    "h100": Device("h100", 0.40 * 989e12, 3.35e12 / 32, 3.35e12 / 10, 0.9, 80e9),
+    # Achieved compute: 35% of peak assumed for a 10-20B GPT in bf16 (not measured: no MI250X here);
+    # RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
+    "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
+                         1.6e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 64e9),
+    # H100 SXM: 989 TFLOP/s bf16 dense (the H200's compute), 80 GB HBM3 at 3.35 TB/s; 50% achieved
+    # as measured on the H200.
+    "h100": Device("h100", 0.50 * 989e12, 3.35e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
+                   3.35e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 80e9),
 }
 DEVICE_OF_TOPOLOGY = {"dgx": "h100"}  # every other topology (frontier, sim..., slurm...) has Frontier's figures
 
