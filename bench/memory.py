@@ -3,6 +3,7 @@
     .venv/bin/python bench/memory.py                         # ~160M parameters on 2x2x2, six configurations
     .venv/bin/python bench/memory.py --markdown              # the tables in docs/memory.md
     .venv/bin/python bench/memory.py --layers 4 --hidden 256 --configs zero3 zero_topo-int4-ef
+    python bench/memory.py --device cuda --layout none --load-layout none --set bf16.enabled=true ...
 
 A configuration is a preset (configs/<preset>.yml) plus overrides: the four presets, and zero_topo
 with INT4 gradients with and without error feedback (CONFIGS), so the memory model's error_feedback
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from megatron.config import load_config  # noqa: E402
 from megatron.model.sizes import activation_bytes, parameter_count  # noqa: E402
 from megatron.topology import ShardLayout  # noqa: E402
-from megatron.zero_topo.memory_model import PEAK_PHASES, predict_peak_bytes  # noqa: E402
+from megatron.zero_topo.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes  # noqa: E402
 from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
 
 GB = 1e9
@@ -56,10 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro", type=int, default=1, help="micro-batch per rank")
-    p.add_argument("--layout", default="sim-2x2x2", help="configs/<layout>.yml for the training runs")
+    p.add_argument("--layout", default="sim-2x2x2", help="configs/<layout>.yml for the training runs (none: one process)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                    help="configurations (CONFIGS: a preset and its overrides)")
-    p.add_argument("--load-layout", default="sim-2x2", help="layout the checkpoints are resumed on")
+    p.add_argument("--load-layout", default="sim-2x2", help="layout the checkpoints are resumed on (none: one process)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: measure the GPU's peak allocation per phase against the model's device terms")
     p.add_argument("--load-preset", default="zero_topo", help="preset every checkpoint is resumed with")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra config overrides")
     p.add_argument("--markdown", action="store_true")
@@ -70,7 +73,8 @@ def model_sets(args, log_dir: Path, extra: list[str]) -> list[str]:
     sets = [f"num_layers={args.layers}", f"hidden_size={args.hidden}", f"num_attention_heads={args.heads}",
             f"seq_length={args.seq}", f"train_micro_batch_size_per_gpu={args.micro}", "gradient_accumulation_steps=1",
             "train_batch_size=null", "eval_iters=0", "log_interval=1", "memory_report=true",
-            "checkpoint_factor=null", "keep_last_n_checkpoints=null", f"log_dir={log_dir}", *args.sets, *extra]
+            "checkpoint_factor=null", "keep_last_n_checkpoints=null", f"log_dir={log_dir}", f"device={args.device}",
+            *args.sets, *extra]
     return [item for s in sets for item in ("--set", s)]
 
 
@@ -81,20 +85,28 @@ def run(files: list[str], sets: list[str]) -> None:
         raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
 
 
-def measured(log_dir: Path) -> tuple[dict, int]:
-    """({phase: largest rank's peak above its baseline}, largest baseline)."""
+def measured(log_dir: Path, device: str = "cpu") -> tuple[dict, int]:
+    """({phase: largest rank's peak above its baseline}, largest baseline): the resident set on a
+    CPU; on a GPU the device's peak allocation (torch's allocator, which starts from nothing)."""
     ranks = [json.loads(p.read_text()) for p in sorted((log_dir / "memory").glob("rank_*.json"))]
-    phases = {phase: max(r["peak_rss"][phase] - r["baseline_rss"] for r in ranks if phase in r["peak_rss"])
-              for phase in PEAK_PHASES if any(phase in r["peak_rss"] for r in ranks)}
-    return phases, max(r["baseline_rss"] for r in ranks)
+    key = "device_peak" if device == "cuda" else "peak_rss"
+    base = {id(r): 0 if device == "cuda" else r["baseline_rss"] for r in ranks}
+    phases = {phase: max(r[key][phase] - base[id(r)] for r in ranks if phase in r[key])
+              for phase in PEAK_PHASES if any(phase in r[key] for r in ranks)}
+    return phases, max(base.values())
 
 
-def predicted(files: list[str], sets: list[str]) -> dict:
+def predicted(files: list[str], sets: list[str], device: str = "cpu") -> dict:
     cfg = load_config([str(REPO / f) for f in files], [s for s in sets if s != "--set"], notices=[])
     vocab = padded_vocab_of(cfg)
     elem = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
     acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, elem)
-    return {phase: terms["total"] for phase, terms in predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts).items()}
+    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts)
+    return {phase: device_phase_bytes(terms) if device == "cuda" else terms["total"] for phase, terms in peaks.items()}
+
+
+def layout_files(layout: str) -> list[str]:
+    return [] if layout == "none" else [f"configs/{layout}.yml"]
 
 
 def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> None:
@@ -110,21 +122,27 @@ def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> Non
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("bench/memory.py: --device cuda, but torch sees no GPU", file=sys.stderr)
+            return 77
     base = ["configs/tiny-cpu.yml"]
     rows, got_by, want_by = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             preset, extra = CONFIGS[name]
             work = Path(tmp) / name
-            train_files = base + [f"configs/{args.layout}.yml", f"configs/{preset}.yml"]
+            train_files = base + layout_files(args.layout) + [f"configs/{preset}.yml"]
             train_sets = model_sets(args, work / "train", [*extra, "train_iters=2", f"save={work / 'ck'}"])
             run(train_files, train_sets)
-            load_files = base + [f"configs/{args.load_layout}.yml", f"configs/{args.load_preset}.yml"]
+            load_files = base + layout_files(args.load_layout) + [f"configs/{args.load_preset}.yml"]
             load_sets = model_sets(args, work / "load", [*extra, "train_iters=3", f"load={work / 'ck'}", "save=null"])
             run(load_files, load_sets)
-            got_train, baseline = measured(work / "train")
-            got_load, load_baseline = measured(work / "load")
-            want_train, want_load = predicted(train_files, train_sets), predicted(load_files, load_sets)
+            got_train, baseline = measured(work / "train", args.device)
+            got_load, load_baseline = measured(work / "load", args.device)
+            want_train = predicted(train_files, train_sets, args.device)
+            want_load = predicted(load_files, load_sets, args.device)
             suffix = name[len(preset):]
             for phase in PEAK_PHASES:
                 load = phase == "load"
@@ -141,7 +159,8 @@ def main(argv=None) -> int:
         params = parameter_count(cfg.model, padded_vocab_of(cfg))
     print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro}: "
           f"{params / 1e6:.1f}M parameters (fp32 full copy {4 * params / GB:.2f} GB); peaks are the largest "
-          "rank's, above its baseline")
+          + ("rank's device allocation (torch.cuda.max_memory_allocated), against the model's device terms"
+             if args.device == "cuda" else "rank's, above its baseline"))
     print(f"build, step, save: each configuration on {args.layout}; load: every configuration's checkpoint "
           f"resumed as {args.load_preset} on {args.load_layout} (with the configuration's quantization and "
           "error feedback, if any)")

@@ -137,10 +137,15 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
 HOST_TERMS = ("unit being built (host)", "checkpoint pieces", "mapped pages")
 
 
+def device_phase_bytes(phase: dict) -> int:
+    """One phase of ``predict_peak_bytes`` without its host terms: what that phase holds on a GPU."""
+    return phase["total"] - sum(phase.get(term, 0) for term in HOST_TERMS)
+
+
 def device_peak_bytes(peaks: dict) -> int:
     """The largest phase total of ``predict_peak_bytes`` without its host terms: what must fit in a
     GPU's memory (on a CPU run host and device are one memory; use the phase totals there)."""
-    return max(phase["total"] - sum(phase.get(term, 0) for term in HOST_TERMS) for phase in peaks.values())
+    return max(device_phase_bytes(phase) for phase in peaks.values())
 
 
 def _reduction_terms(spec: CommSpec, largest: int) -> dict:
