@@ -48,6 +48,25 @@ def test_measured_build_peak_matches_the_memory_model(tmp_path, tiny_corpus, zer
         assert predicted / 1.5 < measured < 1.5 * predicted, (measured, predicted)
 
 
+def test_fp32_first_hops_are_counted_in_fp32_by_hand():
+    """bf16 compute with fp32_allreduce: stage 3 on 2x2x2 has w = 8, a weight group over both nodes, so
+    its first gradient hop runs in fp32; zero_topo's w = 2 is a GCD pair and stays in bf16. Units
+    (100, 240, 240, 96) padded to N = 8: the largest is 240."""
+    from megatron.zero_topo.comm_model import CommSpec
+    zero3 = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="stage3", compute_bytes=2,
+                                        fp32_allreduce=True))["step"]
+    # synchronous: the bf16 unit gradient 240 x 2, its fp32 cast 240 x 4, the hop's fp32 output 240/8 x 4
+    assert (zero3["unit gradient"], zero3["reduction input cast"], zero3["reduction output"]) == (480, 960, 120)
+    overlapped = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="stage3", compute_bytes=2,
+                                             fp32_allreduce=True, reductions_in_flight=2,
+                                             reduce_bucket_elements=64))["step"]
+    # 2 pieces of 64: each cast to fp32 (64 x 4) with its fp32 output (8 x 4); the bf16 copy is gone
+    assert overlapped["reductions in flight"] == 2 * (64 * 4 + 8 * 4)
+    topo = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="zero_topo", compute_bytes=2,
+                                       fp32_allreduce=True))["step"]
+    assert "reduction input cast" not in topo and topo["reduction output"] == 120 * 2
+
+
 def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""

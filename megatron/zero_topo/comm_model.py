@@ -312,7 +312,7 @@ def _spans_nodes(kind: str, spec: CommSpec) -> bool:
     return any(tier_between(first[0], r, spec.layout) == "inter_node" for r in first[1:])
 
 
-def _gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
+def gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
     """Element size of an unquantized gradient hop over ``kind``: fp32 when its groups span nodes and
     fp32_allreduce is on (the step-boundary hops always span them, or have one rank), else c."""
     return FP32_BYTES if spec.fp32_allreduce and _spans_nodes(kind, spec) else spec.compute_bytes
@@ -322,7 +322,7 @@ def _ladder_collectives(spec: CommSpec) -> list:
     w, g, os_ = spec.resolved_factors()
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
     boundary = FP32_BYTES if spec.fp32_allreduce else c
-    weight_hop, stride_hop = _gradient_hop_bytes("weight", spec), _gradient_hop_bytes("stride", spec)
+    weight_hop, stride_hop = gradient_hop_bytes("weight", spec), gradient_hop_bytes("stride", spec)
     qs, b = spec.quant, spec.quant.block_size
     out = []
     sizes = padded_unit_numels(spec)
@@ -368,7 +368,7 @@ def _zeropp_collectives(spec: CommSpec) -> list:
             out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u),
                     _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a, u)]
         else:
-            out.append(_reduce("grad_reduce", "world", s, n, _gradient_hop_bytes("world", spec), 0, b, a, u))
+            out.append(_reduce("grad_reduce", "world", s, n, gradient_hop_bytes("world", spec), 0, b, a, u))
     return out
 
 

@@ -5,8 +5,8 @@ from the engine or the model, and the tests check it against both.
 """
 from __future__ import annotations
 
-from megatron.zero_topo.comm_model import (FP32_BYTES, CommModelError, CommSpec, packed_message_bytes,
-                                           padded_unit_numels)
+from megatron.zero_topo.comm_model import (FP32_BYTES, CommModelError, CommSpec, gradient_hop_bytes,
+                                           packed_message_bytes, padded_unit_numels)
 
 # error_feedback appears in a prediction only when residuals are kept (see predict_model_state_bytes).
 CATEGORIES = ("weights", "zeropp_secondary", "grad_accumulator", "master", "moments", "error_feedback")
@@ -151,10 +151,15 @@ def device_peak_bytes(peaks: dict) -> int:
 def _reduction_terms(spec: CommSpec, largest: int) -> dict:
     """The gradient reduction's transient buffers at the step's peak (docs/engine.md, "Overlapped
     gradient reduction"): synchronous, one unit's gradient and its first hop's output; overlapped,
-    the gradient being produced while M pieces are in flight with their inputs and first outputs."""
+    the gradient being produced while M pieces are in flight with their inputs and first outputs.
+    An unquantized first hop whose group spans nodes runs in fp32 with fp32_allreduce (e bytes an
+    element, else e = c): its input is the piece cast to fp32, which replaces an overlapped piece's
+    copy but sits beside a synchronous unit's gradient ("reduction input cast")."""
     w, c = spec.resolved_factors()[0], spec.compute_bytes
+    e = c if spec.quant.grad_reduce_bits else gradient_hop_bytes("weight" if w > 1 else "stride", spec)
     if spec.reductions_in_flight == 0:
-        return {"unit gradient": largest * c, "reduction output": largest // w * c}
+        cast = {"reduction input cast": largest * e} if e != c else {}
+        return {"unit gradient": largest * c, **cast, "reduction output": largest // w * e}
     piece = min(largest, spec.reduce_bucket_elements)
     return {"unit gradient": largest * c,
-            "reductions in flight": spec.reductions_in_flight * (piece * c + piece // w * c)}
+            "reductions in flight": spec.reductions_in_flight * (piece * e + piece // w * e)}
