@@ -15,7 +15,8 @@ the factor on every link's bandwidth (inter-node, and all tiers) at which the mo
 zero_topo / zeropp ratio reaches 1.71 at 48 nodes.
 
 Figures: ``megatron/topology/topology.py`` FRONTIER_LINKS (nominal per-link bandwidths) and
-``time_model.DEVICES['mi250x_gcd']`` (an assumed 35% of the bf16 peak); ``--probe`` replaces them
+``hardware.DEVICES['mi250x_gcd']`` (an assumed 35% of the bf16 peak; optimizer and quantizer costs per
+element as measured on an H200); ``--probe`` replaces them
 with a probe's (tools/probe_links.py on an allocation).
 """
 from __future__ import annotations

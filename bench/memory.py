@@ -90,10 +90,10 @@ def measured(log_dir: Path, device: str = "cpu") -> tuple[dict, int]:
     CPU; on a GPU the device's peak allocation (torch's allocator, which starts from nothing)."""
     ranks = [json.loads(p.read_text()) for p in sorted((log_dir / "memory").glob("rank_*.json"))]
     key = "device_peak" if device == "cuda" else "peak_rss"
-    base = {id(r): 0 if device == "cuda" else r["baseline_rss"] for r in ranks}
-    phases = {phase: max(r[key][phase] - base[id(r)] for r in ranks if phase in r[key])
+    baselines = [0 if device == "cuda" else r["baseline_rss"] for r in ranks]
+    phases = {phase: max(r[key][phase] - base for r, base in zip(ranks, baselines) if phase in r[key])
               for phase in PEAK_PHASES if any(phase in r[key] for r in ranks)}
-    return phases, max(base.values())
+    return phases, max(baselines)
 
 
 def predicted(files: list[str], sets: list[str], device: str = "cpu") -> dict:

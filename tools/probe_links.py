@@ -165,14 +165,16 @@ class Probe:
         """The spanning groups timed, beside the fitted model's prediction."""
         from megatron.zero_topo.hardware import Device, Hardware, tier_link
         from megatron.zero_topo.time_model import footprint_time_s
-        tiers = {t: v for t, v in fits.get("ring_allgather", {}).items()}
+        tiers = dict(fits.get("ring_allgather", {}))
+        if not tiers:  # one device: no link was fitted, none to check
+            return []
         hw = Hardware({t: tier_link(v, "probe") for t, v in tiers.items()},
                       Device("probe", 1, 1, 1, 0, 1), self.backend,
                       {(a, t): tier_link(v, "probe") for a, per in fits.items() for t, v in per.items()})
         out = []
         nbytes = self.args.sizes_kb[-1] * 1024
         for name in ("node", "world"):
-            if name not in self.kinds or not tiers:  # one device: no link was fitted, none to check
+            if name not in self.kinds:
                 continue
             groups, mine = self.kinds[name]
             for op in ("all_gather", "reduce_scatter"):
