@@ -1,253 +1,428 @@
 #!/usr/bin/env python
-"""The step-time model's projection for the paper's runs: 10B and 20B on 8-48 Frontier nodes.
+"""The paper's runs predicted by the step-time model: 10B and 20B on 8-48 Frontier nodes, under each
+figure set, beside the paper's ratios (docs/frontier-model.md).
 
-    .venv/bin/python bench/frontier_model.py --markdown          # docs/frontier-model.md
-    .venv/bin/python bench/frontier_model.py --nodes 8 48 --accumulation 8 --png ''
+    .venv/bin/python bench/frontier_model.py --write docs/frontier-model.md     # every table, the charts
+    .venv/bin/python bench/frontier_model.py --figures frontier-measured --models 20B --micro-batches 1
 
-Per model, node count and configuration (the shipped configs: configs/<model>.yml + the preset's
-yml, bf16, micro batch 4, activation checkpointing on, on ``topology.preset frontier``): the
-predicted optimizer step, its TFLOPS per GCD (model FLOPs, recompute not counted), the memory
-model's peak per GCD, the inter-node bytes per GCD; the zero_topo / zeropp ratio and each
-configuration's weak-scaling efficiency against 8 nodes, beside the paper's 1.71x and 0.94; for
-zero_topo, how much of the step the cross-node gradient reduction and the weight refresh take
-(the terms the paper's volume table leaves out). Last, the sensitivity the paper's 1.71x implies:
-the factor on every link's bandwidth (inter-node, and all tiers) at which the model's
-zero_topo / zeropp ratio reaches 1.71 at 48 nodes.
-
-Figures: ``megatron/topology/topology.py`` FRONTIER_LINKS (nominal per-link bandwidths) and
-``hardware.DEVICES['mi250x_gcd']`` (an assumed 35% of the bf16 peak; optimizer and quantizer costs per
-element as measured on an H200); ``--probe`` replaces them
-with a probe's (tools/probe_links.py on an allocation).
+Per figure set (``nominal``: the topology's per-tier links; ``frontier-measured``: published RCCL on
+MI250X + Slingshot-11 measurements, megatron/zero_topo/figure_sets.py), model, micro-batch,
+accumulation and node count, every configuration's predicted optimizer step (the shipped configs:
+configs/<model>.yml + the preset's yml, bf16, activation checkpointing on, topology.preset
+frontier). ZeRO-3 and ZeRO++ are DeepSpeed's, as DeepSpeed issues their collectives
+(megatron/zero_topo/deepspeed_model.py); ours run as our engine does (comm_model). The paper's four
+numbers set beside ours: ZeRO++ / ZeRO-3 (1.405), ZeRO-topo / ZeRO++ (1.71), ZeRO-topo / ZeRO-3 (2.40)
+and ZeRO-topo's weak-scaling efficiency from 8 to 48 nodes (0.94). Then what moves the ratio: each
+assumption of the frontier-measured set varied alone (a tornado chart), and the inter-node bandwidth
+at which the paper's 1.71 would be reached. ``--write`` replaces the marked sections of the doc; its
+prose is not generated.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import sys
+from functools import lru_cache
 from pathlib import Path
 
+from megatron.config import load_config
+from megatron.model.sizes import activation_bytes, unit_parameter_shapes
+from megatron.topology import Topology
+from megatron.zero_topo.comm_model import groups_of_kind, step_collectives
+from megatron.zero_topo.deepspeed_model import deepspeed_collectives, on_deepspeed_schedule
+from megatron.zero_topo.figure_sets import FIGURE_SET_NAMES, Assumptions, frontier_curves
+from megatron.zero_topo.hardware import Hardware, TierLink
+from megatron.zero_topo.memory_model import device_peak_bytes, predict_peak_bytes
+from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
+from megatron.zero_topo.time_model import collectives_bytes_by_tier, scaling_efficiency, step_time
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from megatron.config import load_config  # noqa: E402
-from megatron.topology import ShardLayout, Topology  # noqa: E402
-from megatron.zero_topo.model_inputs import padded_vocab_of, quant_spec_of  # noqa: E402
-from megatron.zero_topo.planner import Candidate, evaluate, inputs_from_config  # noqa: E402
-from megatron.zero_topo.hardware import Hardware, TierLink  # noqa: E402
-from megatron.zero_topo.time_model import scaling_efficiency  # noqa: E402
-
-PAPER_RATIO, PAPER_EFFICIENCY = 1.71, 0.94
 GB = 1e9
 QUANT = ("zero_optimization.zero_quantized_weights=true", "zero_optimization.zero_quantized_gradients=true")
-# label -> (preset file, overrides): the paper's two (zeropp with qwZ + qgZ, zero_topo INT8/INT4) and their kin.
+ZERO3, ZEROPP = "ZeRO-3 (DeepSpeed)", "ZeRO++ hpZ+qwZ+qgZ (DeepSpeed)"
+TOPO_PAPER, TOPO_OURS = "zero_topo, the paper's (all-reduce cross hop)", "zero_topo INT8/INT4 (ours)"
+TOPO_PAPER_DS = "zero_topo, the paper's, cross hop every micro-step"
+# label -> (preset file, overrides, whose collectives: DeepSpeed's, our engine's, or ours on
+# DeepSpeed's schedule: the cross-node all-reduce behind every micro-step's backward)
 CONFIGS = {
-    "zero3": ("zero3", ()),
-    "zeropp (qwZ+qgZ)": ("zeropp", QUANT),
-    "hsdp": ("hsdp", ()),
-    "zero_topo": ("zero_topo", ()),
-    "zero_topo INT8/INT4": ("zero_topo", QUANT),
-    "zero_topo INT4 cross/INT8 refresh": ("zero_topo", ("zero_optimization.cross_node_grad_bits=4",
-                                                        "zero_optimization.refresh_bits=8")),
+    ZERO3: ("zero3", (), "deepspeed"),
+    ZEROPP: ("zeropp", QUANT, "deepspeed"),
+    TOPO_PAPER: ("zero_topo_paper", (), "ours"),
+    TOPO_PAPER_DS: ("zero_topo_paper", (), "deepspeed schedule"),
+    TOPO_OURS: ("zero_topo", QUANT, "ours"),
+    "zero_topo INT4 cross/INT8 refresh (ours)": ("zero_topo", ("zero_optimization.cross_node_grad_bits=4",
+                                                              "zero_optimization.refresh_bits=8"), "ours"),
+    "zero_topo unquantized (ours)": ("zero_topo", (), "ours"),
+    "zero3 (ours)": ("zero3", (), "ours"),
+    "zeropp qwZ+qgZ (ours)": ("zeropp", QUANT, "ours"),
+    "hsdp (ours)": ("hsdp", (), "ours"),
 }
-PAPER_PAIR = ("zero_topo INT8/INT4", "zeropp (qwZ+qgZ)")
-BOUNDARY = ("cross_grad_reduce", "refresh", "replica_allreduce")
+PAPER = {"ZeRO++ / ZeRO-3": 1.405, "ZeRO-topo / ZeRO++": 1.71, "ZeRO-topo / ZeRO-3": 1.405 * 1.71,
+         "scaling eff. 8->48": 0.94}
+PAPER_TEXT = ("1.405", "1.71", "2.40 (1.405 x 1.71)", "0.94")
+MARKERS = ("ratios", "counts", "middle", "tflops", "phases", "sensitivity", "bandwidth")
+MIDDLES = ("interpolate", "latency-bandwidth", "low-until-16MiB", "keep-2MiB")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["10B", "20B"], help="configs/<name>.yml")
+    p.add_argument("--figures", nargs="+", default=list(FIGURE_SET_NAMES), choices=FIGURE_SET_NAMES)
+    p.add_argument("--models", nargs="+", default=["20B", "10B"], help="configs/<name>.yml")
     p.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 32, 48])
-    p.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--probe", help="link probe JSON instead of the preset's figures")
-    p.add_argument("--overlap-efficiency", type=float, default=None,
-                   help="override the device's overlap efficiency (0 = nothing hidden: the pessimistic bound)")
-    p.add_argument("--markdown", action="store_true")
-    p.add_argument("--png", default=str(REPO_ROOT / "docs" / "figures" / "frontier_model.png"))
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--accumulation", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--paper-micro-batch", type=int, default=4,
+                   help="the micro-batch of the per-node-count tables and the sensitivity (docs: why 4)")
+    p.add_argument("--probe", help="a link probe JSON on top of each figure set (tools/probe_links.py)")
+    p.add_argument("--write", help="replace the marked sections of this markdown file (docs/frontier-model.md)")
+    p.add_argument("--png-dir", default=str(REPO_ROOT / "docs" / "figures"), help="'' for no charts")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--no-sensitivity", action="store_true")
     return p.parse_args(argv)
 
 
-def config_for(model: str, preset: str, overrides: tuple, nodes: int, accumulation: int):
+# -- one prediction -----------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def config_for(model: str, label: str, nodes: int, micro: int, accumulation: int):
+    preset, overrides, _ = CONFIGS[label]
     return load_config([str(REPO_ROOT / "configs" / f"{model}.yml"), str(REPO_ROOT / "configs" / f"{preset}.yml")],
-                       ["topology.preset=frontier", f"num_nodes={nodes}",
+                       ["topology.preset=frontier", f"num_nodes={nodes}", f"train_micro_batch_size_per_gpu={micro}",
                         f"gradient_accumulation_steps={accumulation}", *overrides], notices=[])
 
 
-def hardware(cfg, probe, scale_inter: float = 1.0, scale_all: float = 1.0, overlap=None) -> Hardware:
-    hw = Hardware.from_topology(Topology.from_config(cfg, cfg.topology.world_size), backend="nccl")
+def hardware(cfg, figures: str, probe=None, variant=None) -> Hardware:
+    hw = Hardware.from_topology(Topology.from_config(cfg, cfg.topology.world_size), backend="nccl", figures=figures)
     if probe:
         hw = hw.with_probe(probe, probe)
-    if overlap is not None:
-        hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, overlap_efficiency=overlap,
-                                                                overlap_by_tier={}))
-    links = {tier: TierLink(link.bandwidth * scale_all * (scale_inter if tier == "inter_node" else 1.0),
-                            link.latency_s) for tier, link in hw.links.items()}
-    return dataclasses.replace(hw, links=links)
+    return variant(hw) if variant else hw
 
 
-def predict(model: str, label: str, nodes: int, accumulation: int, probe=None, scale_inter=1.0, scale_all=1.0,
-            overlap=None):
-    preset, overrides = CONFIGS[label]
-    cfg = config_for(model, preset, overrides, nodes, accumulation)
+def predict(model: str, label: str, nodes: int, micro: int, accumulation: int, figures: str, probe=None,
+            variant=None, coalesced_baselines: bool = False) -> dict:
+    cfg = config_for(model, label, nodes, micro, accumulation)
     vocab = padded_vocab_of(cfg)
-    inputs = inputs_from_config(cfg, vocab, hardware(cfg, probe, scale_inter, scale_all, overlap))
-    row = evaluate(Candidate(ShardLayout.from_config(cfg), label, quant_spec_of(cfg.zero),
-                             bool(cfg.model.checkpoint_activations)), inputs)
-    st = row.time
-    return {"model": model, "config": label, "nodes": nodes, "gcds": cfg.topology.world_size,
-            "factors": list(row.factors), "step_s": st.total_s, "tflops": st.tflops_per_device,
-            "peak_gb": row.peak_bytes / GB, "inter_gb": row.bytes_per_tier.get("inter_node", 0.0) / GB,
-            "exposed_s": dict(st.exposed_s), "comm_s": dict(st.comm_s),
-            "inter_node_comm_s": dict(st.inter_node_comm_s)}
+    spec = comm_spec_from_config(cfg, vocab)
+    whose = CONFIGS[label][2]
+    cols = None
+    if whose == "deepspeed" and not coalesced_baselines:
+        cols = deepspeed_collectives(spec, unit_parameter_shapes(cfg.model, vocab))
+    elif whose == "deepspeed schedule":
+        cols = on_deepspeed_schedule(step_collectives(spec), spec.micro_batches)
+    st = step_time(spec, hardware(cfg, figures, probe, variant), step_work_from_config(cfg, vocab), cols)
+    acts = activation_bytes(cfg.model, vocab, micro, spec.compute_bytes)
+    per_tier = collectives_bytes_by_tier(spec, cols)
+    return {"figures": figures, "model": model, "config": label, "nodes": nodes, "gcds": cfg.topology.world_size,
+            "micro_batch": micro, "accumulation": accumulation, "step_s": st.total_s, "tflops": st.tflops_per_device,
+            "peak_gb": device_peak_bytes(predict_peak_bytes(spec, acts)) / GB,
+            "inter_gb": per_tier.get("inter_node", 0.0) / spec.world_size / GB,
+            "exposed_s": dict(st.exposed_s), "comm_s": dict(st.comm_s)}
 
 
-def ratio_at(model, nodes, accumulation, probe, overlap=None, **scale) -> float:
-    a, b = (predict(model, label, nodes, accumulation, probe, overlap=overlap, **scale)["tflops"]
-            for label in PAPER_PAIR)
-    return a / b
+def ratio(a: dict, b: dict) -> float:
+    return a["tflops"] / b["tflops"]
 
 
-def scale_for_ratio(model, nodes, accumulation, probe, which: str, overlap=None, target: float = PAPER_RATIO):
-    """The bandwidth factor (inter-node links only, or every tier) at which the ratio reaches target,
-    by bisection on log scale; None when even 1/1000 of the bandwidth does not reach it."""
-    key = "scale_inter" if which == "inter" else "scale_all"
+# -- the tables ----------------------------------------------------------------------------------
+
+def render(header, rows) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def ratio_table(rows: dict, args) -> str:
+    last, first = max(args.nodes), min(args.nodes)
+    out = [["paper (arXiv 2501.04266)", "20B", "?", "?", *PAPER_TEXT, "-", "-"]]
+    for figures in args.figures:
+        for model in args.models:
+            for micro in args.micro_batches:
+                for acc in args.accumulation:
+                    at = {label: rows[(figures, model, label, last, micro, acc)] for label in CONFIGS}
+                    eff = scaling_efficiency({n: rows[(figures, model, TOPO_PAPER, n, micro, acc)]["tflops"]
+                                              for n in (first, last)})[last]
+                    out.append([figures, model, micro, acc, f"{ratio(at[ZEROPP], at[ZERO3]):.3f}",
+                                f"{ratio(at[TOPO_PAPER], at[ZEROPP]):.3f}", f"{ratio(at[TOPO_PAPER], at[ZERO3]):.3f}",
+                                f"{eff:.3f}", f"{ratio(at[TOPO_PAPER_DS], at[ZEROPP]):.3f}",
+                                f"{ratio(at[TOPO_OURS], at[ZEROPP]):.3f}"])
+    return render(["figures", "model", "micro-batch", "accumulation", "ZeRO++ / ZeRO-3",
+                   "ZeRO-topo / ZeRO++", "ZeRO-topo / ZeRO-3", f"ZeRO-topo scaling eff. {first}->{last}",
+                   "ZeRO-topo every micro-step / ZeRO++", "ours INT8/INT4 / ZeRO++"], out)
+
+
+def middle_table(args, model: str) -> str:
+    """The paper's four numbers under each reading of the unmeasured ring steps (32 KiB-8 MiB), the
+    assumption that moves the ratio most: which reading, if any, agrees with all four."""
+    first, last, micro = min(args.nodes), max(args.nodes), args.paper_micro_batch
+    out = [["paper", "-", *PAPER_TEXT]]
+    for middle in MIDDLES:
+        for acc in args.accumulation:
+            def at(label, n=last):
+                return predict(model, label, n, micro, acc, "frontier-measured", args.probe, _curves(middle=middle))
+            z3, zpp, topo = at(ZERO3), at(ZEROPP), at(TOPO_PAPER)
+            eff = topo["tflops"] / at(TOPO_PAPER, first)["tflops"]
+            out.append([middle, acc, f"{ratio(zpp, z3):.3f}", f"{ratio(topo, zpp):.3f}", f"{ratio(topo, z3):.3f}",
+                        f"{eff:.3f}"])
+    return render(["ring steps 32 KiB-8 MiB", "accumulation", "ZeRO++ / ZeRO-3", "ZeRO-topo / ZeRO++",
+                   "ZeRO-topo / ZeRO-3", f"ZeRO-topo scaling eff. {first}->{last}"], out)
+
+
+def tflops_table(rows: dict, args) -> str:
+    micro, out = args.paper_micro_batch, []
+    for figures in args.figures:
+        for model in args.models:
+            for acc in args.accumulation:
+                for label in CONFIGS:
+                    r = [rows[(figures, model, label, n, micro, acc)] for n in args.nodes]
+                    out.append([figures, model, acc, label, *(f"{x['tflops']:.1f}" for x in r),
+                                f"{r[-1]['step_s']:.2f}", f"{r[-1]['peak_gb']:.1f}", f"{r[-1]['inter_gb']:.2f}"])
+    last = max(args.nodes)
+    return render(["figures", "model", "accumulation", "config", *(f"TFLOPS/GCD {n} nodes" for n in args.nodes),
+                   f"step s ({last})", f"peak GB/GCD ({last})", f"inter-node GB/GCD ({last})"], out)
+
+
+def collectives_of(model: str, label: str, nodes: int, micro: int, accumulation: int) -> list:
+    """The step's collectives of a configuration: DeepSpeed's, ours, or ours on DeepSpeed's schedule."""
+    cfg = config_for(model, label, nodes, micro, accumulation)
+    vocab = padded_vocab_of(cfg)
+    spec = comm_spec_from_config(cfg, vocab)
+    whose = CONFIGS[label][2]
+    if whose == "deepspeed":
+        return deepspeed_collectives(spec, unit_parameter_shapes(cfg.model, vocab))
+    cols = step_collectives(spec)
+    return on_deepspeed_schedule(cols, spec.micro_batches) if whose == "deepspeed schedule" else cols
+
+
+def counts_table(args, model: str) -> str:
+    """How many collectives one optimizer step issues, by phase, op and group, and their sizes."""
+    last, micro, acc = max(args.nodes), args.paper_micro_batch, args.accumulation[0]
+    out = []
+    for label in (ZERO3, "zero3 (ours)", ZEROPP, "zeropp qwZ+qgZ (ours)", TOPO_PAPER, TOPO_OURS):
+        by: dict = {}
+        cfg = config_for(model, label, last, micro, acc)
+        spec = comm_spec_from_config(cfg, padded_vocab_of(cfg))
+        for c in collectives_of(model, label, last, micro, acc):
+            if c.phase == "control" or len(groups_of_kind(c.group, spec)[0]) == 1:
+                continue  # the trainer's scalars; a group of one rank sends nothing
+            entry = by.setdefault((c.phase, c.op, c.group), [0, 0, None, 0])
+            entry[0] += c.count
+            entry[1] += c.count * c.nbytes
+            entry[2] = c.nbytes if entry[2] is None else min(entry[2], c.nbytes)
+            entry[3] = max(entry[3], c.nbytes)
+        for (phase, op, group), (count, total, small, big) in sorted(by.items()):
+            out.append([label, phase, op, group, count, f"{total / GB:.2f}", f"{small / 1e6:.3g}", f"{big / 1e6:.3g}"])
+    return render(["config", "phase", "op", "group", "calls per step", "GB per step", "smallest MB", "largest MB"], out)
+
+
+def phases_table(rows: dict, args) -> str:
+    last, micro = max(args.nodes), args.paper_micro_batch
+    picked = [rows[(f, m, label, last, micro, a)] for f in args.figures for m in args.models[:1]
+              for a in args.accumulation[:1] for label in CONFIGS]
+    phases = sorted({p for r in picked for p in r["exposed_s"]})
+    return render(["figures", "config", *phases],
+                  [[r["figures"], r["config"], *(f"{r['exposed_s'].get(p, 0.0):.3f}" for p in phases)] for r in picked])
+
+
+# -- what moves the ratio ----------------------------------------------------------------------
+
+def _curves(**assume):
+    def apply(hw: Hardware) -> Hardware:
+        return dataclasses.replace(hw, curves={**hw.curves, **frontier_curves(Assumptions(**assume))})
+    return apply
+
+
+def _device(**scale):
+    def apply(hw: Hardware) -> Hardware:
+        d = hw.device
+        return dataclasses.replace(hw, device=dataclasses.replace(
+            d, overlap_by_tier={}, **{k: (v if k == "overlap_efficiency" else getattr(d, k) * v) for k, v in scale.items()}))
+    return apply
+
+
+# name -> ((low label, variant), (high label, variant)); None = the baselines coalesced per unit.
+ASSUMPTIONS = {
+    "ring steps of 32 KiB-8 MiB (unmeasured)": (("the 2 MiB collapse kept", _curves(middle="keep-2MiB")),
+                                                ("latency + bandwidth fill", _curves(middle="latency-bandwidth"))),
+    "in-node ring rate (85 GB/s)": (("38 GB/s: one IF link", _curves(in_node_gbs=38.0)),
+                                    ("148 GB/s: the GCD pair's", _curves(in_node_gbs=148.0))),
+    "all-to-all across nodes (ring / 2.5)": (("ring / 3", _curves(all_to_all_slowdown=3.0)),
+                                             ("ring / 1", _curves(all_to_all_slowdown=1.0))),
+    "NIC rate (23.8 GB/s)": (("x 0.5", _curves(nic_gbs=11.91)), ("25 GB/s nominal", _curves(nic_gbs=25.0))),
+    "overlap efficiency (0.9, assumed)": (("0.5", _device(overlap_efficiency=0.5)),
+                                          ("1.0", _device(overlap_efficiency=1.0))),
+    "achieved compute (38% of peak)": (("x 0.75", _device(achieved_flops=0.75)), ("x 1.25", _device(achieved_flops=1.25))),
+    "quantization kernels (30 B/element)": (("x 0.5 the rate", _device(quantize_elements_per_s=0.5)),
+                                            ("x 2 the rate", _device(quantize_elements_per_s=2.0))),
+    "in-node step latency (3.5 us)": (("x 4", _curves(step_latency_s=4 * 107.5e-6 / 31)),
+                                      ("x 0.25", _curves(step_latency_s=0.25 * 107.5e-6 / 31))),
+    "DeepSpeed's collectives (per parameter / bucket)": (None, ("coalesced per unit, as ours", None)),
+}
+
+
+def sensitivity(args, model: str = "20B", figures: str = "frontier-measured") -> list:
+    """[(assumption, base, (low label, ratio), (high label, ratio))] of ZeRO-topo (paper) / ZeRO++."""
+    last, micro, acc = max(args.nodes), args.paper_micro_batch, args.accumulation[0]
+
+    def at(variant=None, coalesced=False) -> float:
+        a, b = (predict(model, label, last, micro, acc, figures, args.probe, variant, coalesced)
+                for label in (TOPO_PAPER, ZEROPP))
+        return ratio(a, b)
+    base = at()
+    out = []
+    for name, (low, high) in ASSUMPTIONS.items():
+        sides = []
+        for side in (low, high):
+            if side is None:
+                sides.append(("as modelled", base))
+            elif side[1] is None:
+                sides.append((side[0], at(coalesced=True)))
+            else:
+                sides.append((side[0], at(side[1])))
+        out.append((name, base, *sides))
+    return sorted(out, key=lambda r: -abs(r[3][1] - r[2][1]))
+
+
+def sensitivity_table(sens: list) -> str:
+    return render(["assumption (frontier-measured value)", "base ratio", "low setting", "ratio", "high setting", "ratio",
+                   "spread"], [[n, f"{b:.3f}", lo[0], f"{lo[1]:.3f}", hi[0], f"{hi[1]:.3f}", f"{abs(hi[1] - lo[1]):.3f}"]
+                               for n, b, lo, hi in sens])
+
+
+def bandwidth_factor(args, model: str, figures: str, acc: int, target: float = PAPER["ZeRO-topo / ZeRO++"]):
+    """The factor on every inter-node rate (tier figures and cross/world curves) at which ZeRO-topo
+    (paper) / ZeRO++ reaches ``target``, by bisection on a log scale; None if not by 1/1000."""
+    last, micro = max(args.nodes), args.paper_micro_batch
+
+    def scaled(f):
+        def apply(hw: Hardware) -> Hardware:
+            links = {t: TierLink(l.bandwidth * f, l.latency_s) if t == "inter_node" else l for t, l in hw.links.items()}
+            curves = {k: (c.scaled(f) if k[1] in ("cross", "world") else c) for k, c in hw.curves.items()}
+            return dataclasses.replace(hw, links=links, curves=curves)
+        return apply
+
+    def r(f):
+        return ratio(*(predict(model, label, last, micro, acc, figures, args.probe, scaled(f))
+                       for label in (TOPO_PAPER, ZEROPP)))
     lo, hi = 1e-3, 1.0
-    if ratio_at(model, nodes, accumulation, probe, overlap, **{key: lo}) < target:
+    if r(hi) >= target:
+        return 1.0
+    if r(lo) < target:
         return None
-    for _ in range(30):
+    for _ in range(25):
         mid = (lo * hi) ** 0.5
-        if ratio_at(model, nodes, accumulation, probe, overlap, **{key: mid}) >= target:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if r(mid) >= target else (lo, mid)
     return lo
 
 
-def render(header, rows, markdown) -> str:
-    if markdown:
-        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                         + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(r, widths)) for r in [header] + rows)
-
-
-def report(rows: list, args) -> str:
+def bandwidth_table(args) -> str:
     out = []
-    h = "### " if args.markdown else ""
-    for model in args.models:
-        mine = [r for r in rows if r["model"] == model]
-        eff = {label: scaling_efficiency({r["nodes"]: r["tflops"] for r in mine if r["config"] == label})
-               for label in CONFIGS}
-        table = []
-        for r in mine:
-            table.append([r["nodes"], r["gcds"], r["config"], tuple(r["factors"]), f"{r['step_s']:.2f}",
-                          f"{r['tflops']:.1f}", f"{eff[r['config']][r['nodes']]:.3f}", f"{r['peak_gb']:.1f}",
-                          f"{r['inter_gb']:.2f}"])
-        out += [f"\n{h}{model}, accumulation {args.accumulation}: predicted per optimizer step\n",
-                render(["nodes", "GCDs", "config", "(w, g, os)", "step s", "TFLOPS/GCD", "scaling eff.",
-                        "peak GB/GCD", "inter-node GB/GCD"], table, args.markdown)]
-        ratios = []
-        for n in args.nodes:
-            by = {r["config"]: r for r in mine if r["nodes"] == n}
-            topo, pp = by[PAPER_PAIR[0]], by[PAPER_PAIR[1]]
-            boundary = sum(topo["exposed_s"].get(p, 0.0) for p in BOUNDARY)
-            inter = sum(topo["inter_node_comm_s"].values())
-            ratios.append([n, f"{topo['tflops'] / pp['tflops']:.3f}", PAPER_RATIO,
-                           f"{eff[PAPER_PAIR[0]][n]:.3f}", PAPER_EFFICIENCY,
-                           f"{boundary:.3f}", f"{100 * boundary / topo['step_s']:.1f}%",
-                           f"{100 * sum(topo['inter_node_comm_s'].get(p, 0.0) for p in BOUNDARY) / inter:.0f}%"
-                           if inter else "-"])
-        out += [f"\n{h}{model}: {PAPER_PAIR[0]} against {PAPER_PAIR[1]}, and its step-boundary hops\n",
-                render(["nodes", "TFLOPS ratio", "paper", "scaling eff.", "paper", "cross-node grad + refresh s",
-                        "share of step", "share of inter-node comm"], ratios, args.markdown)]
-        phases = sorted({p for r in mine for p in r["exposed_s"]})
-        last = max(args.nodes)
-        rows_last = [r for r in mine if r["nodes"] == last]
-        out += [f"\n{h}{model} on {last} nodes: seconds on the critical path by phase\n",
-                render(["config", *phases], [[r["config"], *[f"{r['exposed_s'].get(p, 0.0):.3f}" for p in phases]]
-                                             for r in rows_last], args.markdown)]
-    return "\n".join(out)
+    for figures in args.figures:
+        for acc in args.accumulation:
+            f = bandwidth_factor(args, args.models[0], figures, acc)
+            out.append([figures, args.models[0], max(args.nodes), args.paper_micro_batch, acc,
+                        "not reached at 1/1000" if f is None else f"x {f:.4f}"])
+    return render(["figures", "model", "nodes", "micro-batch", "accumulation",
+                   f"inter-node rate for ZeRO-topo / ZeRO++ = {PAPER['ZeRO-topo / ZeRO++']}"], out)
 
 
-def sensitivity(args) -> str:
-    h = "### " if args.markdown else ""
-    lines = []
-    last = max(args.nodes)
-    for model in args.models:
-        inter = scale_for_ratio(model, last, args.accumulation, args.probe, "inter", args.overlap_efficiency)
-        every = scale_for_ratio(model, last, args.accumulation, args.probe, "all", args.overlap_efficiency)
+# -- charts ------------------------------------------------------------------------------------
 
-        def text(s):
-            return "not reached at 1/1000 of the bandwidth" if s is None else f"x {s:.4f}"
-        lines.append([model, last, text(inter), text(every)])
-    return (f"\n{h}Bandwidth at which the model gives the paper's {PAPER_RATIO}x ({PAPER_PAIR[0]} / {PAPER_PAIR[1]})\n\n"
-            + render(["model", "nodes", "inter-node bandwidth", "every tier's bandwidth"], lines, args.markdown))
-
-
-def plot(rows: list, args) -> None:
+def plot_tflops(rows: dict, args, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(args.models), figsize=(6 * len(args.models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], args.models):
+    model, micro, acc = args.models[0], args.paper_micro_batch, args.accumulation[0]
+    fig, axes = plt.subplots(1, len(args.figures), figsize=(6.2 * len(args.figures), 4.4), squeeze=False)
+    for ax, figures in zip(axes[0], args.figures):
         for label in CONFIGS:
-            pts = sorted((r["gcds"], r["tflops"]) for r in rows if r["model"] == model and r["config"] == label)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_title(f"{model}: predicted TFLOPS per GCD (accumulation {args.accumulation})")
+            pts = [rows[(figures, model, label, n, micro, acc)] for n in args.nodes]
+            ax.plot([p["gcds"] for p in pts], [p["tflops"] for p in pts], marker="o", label=label,
+                    linestyle="-" if CONFIGS[label][2] == "deepspeed" or "paper" in label else ":")
+        ax.set_title(f"{model}, {figures}: micro-batch {micro}, accumulation {acc}", fontsize=10)
         ax.set_xlabel("GCDs (8 per node)")
-        ax.set_ylabel("model TFLOPS per GCD")
+        ax.set_ylabel("predicted model TFLOPS per GCD")
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.png, dpi=110)
+    fig.savefig(path, dpi=110)
 
 
-BANDWIDTH_FACTORS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
-
-
-def plot_bandwidth(args) -> str:
-    """The paper pair's TFLOPS ratio at the largest node count against a factor on the inter-node
-    bandwidth: where the model would reach the paper's 1.71x."""
+def plot_sensitivity(sens: list, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    last = max(args.nodes)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for model in args.models:
-        ratios = [ratio_at(model, last, args.accumulation, args.probe, args.overlap_efficiency, scale_inter=f)
-                  for f in BANDWIDTH_FACTORS]
-        ax.plot(BANDWIDTH_FACTORS, ratios, marker="o", label=f"{model}, {last} nodes")
-    ax.axhline(PAPER_RATIO, color="grey", linestyle="--", label=f"paper: {PAPER_RATIO}x")
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_xscale("log")
-    ax.invert_xaxis()
-    ax.set_xlabel("inter-node bandwidth / Frontier's nominal 4 x 25 GB/s per node")
-    ax.set_ylabel(f"TFLOPS {PAPER_PAIR[0]} / {PAPER_PAIR[1]}")
-    ax.set_title(f"predicted ratio, accumulation {args.accumulation}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(8.5, 0.5 * len(sens) + 1.6))
+    base = sens[0][1]
+    for i, (name, _b, lo, hi) in enumerate(reversed(sens)):
+        for (label, value), colour in ((lo, "tab:red"), (hi, "tab:blue")):
+            ax.barh(i, value - base, left=base, color=colour, alpha=0.7)
+            ax.text(value, i, f" {label}: {value:.2f} ", va="center", fontsize=7,
+                    ha="left" if value >= base else "right")
+    ax.set_yticks(range(len(sens)), [s[0] for s in reversed(sens)], fontsize=8)
+    ax.axvline(base, color="black", linewidth=0.8)
+    ax.axvline(PAPER["ZeRO-topo / ZeRO++"], color="grey", linestyle="--", label="paper: 1.71")
+    ax.set_xlabel("predicted ZeRO-topo (paper's) / ZeRO++ (DeepSpeed) TFLOPS")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    path = str(Path(args.png).with_name(Path(args.png).stem + "_bandwidth.png"))
     fig.savefig(path, dpi=110)
-    return path
+
+
+# -- the doc -------------------------------------------------------------------------------------
+
+def write_sections(path: str, sections: dict) -> None:
+    """Replace each ``<!-- frontier_model:NAME -->`` ... ``<!-- /frontier_model:NAME -->`` block."""
+    text = Path(path).read_text()
+    for name, body in sections.items():
+        pattern = re.compile(rf"(<!-- frontier_model:{name} -->\n).*?(\n<!-- /frontier_model:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"frontier_model: {path} has no <!-- frontier_model:{name} --> section")
+        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+    Path(path).write_text(text)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = [predict(model, label, n, args.accumulation, args.probe, overlap=args.overlap_efficiency)
-            for model in args.models for n in sorted(args.nodes) for label in CONFIGS]
-    print(report(rows, args))
-    print(sensitivity(args))
-    if args.png:
-        plot(rows, args)
-        print(f"\ncharts: {args.png}, {plot_bandwidth(args)}")
+    rows = {}
+    for figures in args.figures:
+        for model in args.models:
+            for micro in args.micro_batches:
+                for acc in args.accumulation:
+                    for n in sorted(args.nodes):
+                        if micro != args.paper_micro_batch and n not in (min(args.nodes), max(args.nodes)):
+                            continue  # the ratios need only the end points at the other micro-batches
+                        for label in CONFIGS:
+                            rows[(figures, model, label, n, micro, acc)] = predict(model, label, n, micro, acc,
+                                                                                  figures, args.probe)
+    sections = {"ratios": ratio_table(rows, args), "phases": phases_table(rows, args),
+                "counts": counts_table(args, args.models[0])}
+    if args.paper_micro_batch in args.micro_batches:
+        sections["tflops"] = tflops_table(rows, args)
+    sens = None
+    if not args.no_sensitivity and "frontier-measured" in args.figures:
+        sections["middle"] = middle_table(args, args.models[0])
+        sens = sensitivity(args, args.models[0])
+        sections["sensitivity"] = sensitivity_table(sens)
+        sections["bandwidth"] = bandwidth_table(args)
+    for name in MARKERS:
+        if name in sections:
+            print(f"\n<!-- frontier_model:{name} -->\n{sections[name]}")
+    if args.png_dir:
+        out = Path(args.png_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_tflops(rows, args, out / "frontier_model.png")
+        if sens:
+            plot_sensitivity(sens, out / "frontier_model_sensitivity.png",
+                             f"{args.models[0]}, {max(args.nodes)} nodes, micro-batch {args.paper_micro_batch}, "
+                             f"accumulation {args.accumulation[0]}, frontier-measured: one assumption at a time")
+    if args.write:
+        write_sections(args.write, sections)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps([dict(r) for r in rows.values()], indent=1) + "\n")
     return 0
 
 

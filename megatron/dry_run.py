@@ -4,7 +4,7 @@ The command lines and environments are `launcher.plan_launch`'s, the very plan `
 the sharding and its groups are the engine's (`megatron.topology.ShardLayout`); the memory is the memory model's prediction of
 model states per device (weights, gradient accumulator, fp32 master and Adam moments, error
 feedback), not activations or the units gathered in flight; the step time is the time model's
-(docs/time_model.md), on the topology's figures or topology.link_figures. With
+(docs/time_model.md), on topology.figure_set's figures (frontier-measured on Frontier) or topology.link_figures. With
 zero_optimization.plan auto, the layout shown is the one the planner chooses at start-up.
 """
 from __future__ import annotations
@@ -48,16 +48,18 @@ def render_dry_run(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str], pa
 
 
 def _time_section(cfg: NeoXConfig, padded_vocab: int) -> list[str]:
-    """The step-time model's prediction for this run (docs/time_model.md): rough on preset figures,
-    calibrated with topology.link_figures (a probe of the machine)."""
-    from megatron.zero_topo.model_inputs import comm_spec_from_config, hardware_from_config, step_work_from_config
+    """The step-time model's prediction for this run (docs/time_model.md): rough on a figure set,
+    calibrated with topology.link_figures (a probe of the machine); names the figures it used."""
+    from megatron.zero_topo.model_inputs import (comm_spec_from_config, figures_note, hardware_from_config,
+                                                 step_work_from_config)
     from megatron.zero_topo.time_model import step_time
     hw = hardware_from_config(cfg)
+    note = figures_note(cfg)
     st = step_time(comm_spec_from_config(cfg, padded_vocab), hw, step_work_from_config(cfg, padded_vocab))
     top = sorted(((s, phase) for phase, s in st.exposed_s.items() if s > 0), reverse=True)[:4]
     parts = ", ".join(f"{phase} {s:.4g} s" for s, phase in top)
     return [f"predicted optimizer step (time model, figures {hw.source}): {st.total_s:.4g} s, "
-            f"{st.tflops_per_device:.3g} model TFLOPS per device; most of it: {parts}"]
+            f"{st.tflops_per_device:.3g} model TFLOPS per device; most of it: {parts}"] + ([note] if note else [])
 
 
 def _launch_section(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:

@@ -161,6 +161,30 @@ def test_two_tier_zero_topo():
         ("control", "intra_node"): 912, ("control", "inter_node"): 912}
 
 
+@pytest.mark.parametrize("factors, compute_bytes, expected", [
+    # zero_topo (2, 4, 8), fp32: cross pairs {r, r+4}, both ring hops inter_node. S/g = S/4 = 26 + 60 + 60
+    #   + 24 = 170 elements = 680 B per rank. Reduce-scatter over k = 2: 1/2 x 680 = 340 per rank -> 2720
+    #   (as EXPECTED["zero_topo"]); all-reduce: 2 x 1/2 x 680 = 680 per rank -> 5440.
+    ((2, 4, 8), 4, {"reduce_scatter": {"inter_node": 2720}, "all_reduce": {"inter_node": 5440}}),
+    # the same in bf16 without fp32_allreduce: 340 B per rank -> 1360; all-reduce 2720.
+    ((2, 4, 8), 2, {"reduce_scatter": {"inter_node": 1360}, "all_reduce": {"inter_node": 2720}}),
+    # (1, 2, 8), fp32: g = 2 (a GCD pair); cross groups {0, 2, 4, 6} {1, 3, 5, 7}, ring 0-2 intra_node,
+    #   2-4 inter_node, 4-6 intra_node, 6-0 inter_node. S/2 = 52 + 120 + 120 + 48 = 340 elements = 1360 B.
+    #   Reduce-scatter over k = 4: 3/4 x 1360 = 1020 per rank, 4 senders per tier -> 4080 each;
+    #   all-reduce: 2 x 3/4 x 1360 = 2040 per rank -> 8160 each.
+    ((1, 2, 8), 4, {"reduce_scatter": {"intra_node": 4080, "inter_node": 4080},
+                    "all_reduce": {"intra_node": 8160, "inter_node": 8160}}),
+])
+def test_paper_all_reduce_cross_hop_sends_twice_the_reduce_scatter(factors, compute_bytes, expected):
+    ledgers = {how: predict_ledger(CommSpec(UNITS, LAYOUT, factors=factors, micro_batches=2, compute_bytes=compute_bytes,
+                                            cross_node_reduction=how))
+               for how in ("reduce_scatter", "all_reduce")}
+    for how, ledger in ledgers.items():
+        assert {tier: n for (phase, tier), n in ledger.items() if phase == "cross_grad_reduce"} == expected[how]
+    others = [{key: n for key, n in ledger.items() if key[0] != "cross_grad_reduce"} for ledger in ledgers.values()]
+    assert others[0] == others[1]  # every other collective is the same
+
+
 def test_two_ranks_eval_loss_vector_is_not_the_step_vector():
     # 1 node x 2 ranks (both intra_node), stage 0, one unit of 2 elements (S = 2), fp32, A = 1, one eval.
     # Each allreduce over 2 ranks sends 2 x 1/2 x B = B per rank. Replica allreduce of S fp32 = 8 B.
@@ -190,6 +214,10 @@ def test_per_rank_sums_to_total(preset):
     (dict(layout=(2, 2, 2), preset="hsdp", compute_bytes=3), "compute_bytes"),
     (dict(layout=(2, 2, 2), preset="hsdp", checkpointed_units={7}), "checkpointed_units"),
     (dict(layout=(2, 2, 2), preset="hsdp", quant=QuantSpec(refresh_bits=16)), "refresh_bits"),
+    (dict(layout=(2, 2, 2), preset="zero_topo", cross_node_reduction="ring"), "cross_node_reduction must be one of"),
+    (dict(layout=(2, 2, 2), preset="zero_topo", cross_node_reduction="all_reduce",
+          quant=QuantSpec(cross_node_grad_bits=4)), r"needs cross_node_grad_bits 0 \(got 4\)"),
+    (dict(layout=(2, 2, 2), preset="zeropp", cross_node_reduction="all_reduce"), "not zeropp"),
 ])
 def test_bad_specs_are_refused(kwargs, message):
     with pytest.raises(CommModelError, match=message):

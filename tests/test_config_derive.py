@@ -152,6 +152,38 @@ def test_hpz_partition_size_with_stage_3_selects_zeropp(tmp_path):
         load(tmp_path, base + "zero_optimization: {stage: 1, zero_hpz_partition_size: 4}\n")
 
 
+def test_cross_node_reduction_all_reduce_makes_the_cross_hop_unquantized(tmp_path):
+    base = "train_micro_batch_size_per_gpu: 1\ntopology: {simulate: [2, 2, 2]}\n"
+    ours = load(tmp_path, base + "zero_optimization: {preset: zero_topo, zero_quantized_gradients: true}\n")
+    assert (ours.zero.cross_node_reduction, ours.zero.cross_node_grad_bits) == ("reduce_scatter", None)  # -> 4
+    # INT4 micro-step hops with the paper's hop: the cross hop's default bits are 0, not grad_reduce_bits
+    paper = load(tmp_path, base + "zero_optimization: {preset: zero_topo, zero_quantized_gradients: true, "
+                                  "cross_node_reduction: all_reduce}\n")
+    assert (paper.zero.cross_node_grad_bits, paper.zero.grad_reduce_bits) == (0, None)
+    explicit = load(tmp_path, base + "zero_optimization: {preset: zero_topo, cross_node_reduction: all_reduce, "
+                                     "cross_node_grad_bits: 0}\n")
+    assert explicit.zero.cross_node_grad_bits == 0
+
+
+@pytest.mark.parametrize("zero,match", [
+    ("preset: zero_topo, cross_node_reduction: all_reduce, cross_node_grad_bits: 4",
+     r"^zero_optimization.cross_node_grad_bits: 4 quantizes the cross hop, but cross_node_reduction all_reduce "
+     r"sends it unquantized \(in .*c.yml\); set cross_node_grad_bits: 0"),
+    ("preset: zeropp, cross_node_reduction: all_reduce",
+     r"^zero_optimization.cross_node_reduction: all_reduce needs a cross group, which zeropp \(hpZ\) does not have"),
+    ("stage: 3, zero_hpz_partition_size: 4, cross_node_reduction: all_reduce", r"^zero_optimization.cross_node_reduction: "),
+    ("plan: auto, cross_node_reduction: all_reduce", r"^zero_optimization.cross_node_reduction: all_reduce is set together "
+                                                     r"with plan: auto"),
+    ("preset: zero_topo, cross_node_reduction: allreduce",
+     r"^zero_optimization.cross_node_reduction: 'allreduce' is not supported .*use one of reduce_scatter, all_reduce"),
+])
+def test_cross_node_reduction_refusals_are_one_line(tmp_path, zero, match):
+    base = "train_micro_batch_size_per_gpu: 1\ntopology: {simulate: [2, 2, 2]}\n"
+    with pytest.raises(ConfigError, match=match) as err:
+        load(tmp_path, base + f"zero_optimization: {{{zero}}}\n")
+    assert "\n" not in str(err.value)
+
+
 def test_topology_presets_take_nodes_from_num_nodes_then_slurm_then_one(tmp_path):
     text = "train_micro_batch_size_per_gpu: 1\ntopology: {preset: frontier}\n"
     assert load(tmp_path, text).topology.layout == [1, 4, 2]

@@ -15,7 +15,8 @@ from megatron.config.docs import render
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 NEOX_SAMPLES = REPO.parent / "shared" / "external" / "gpt-neox" / "configs"
-PRESETS = ["ddp.yml", "zero1.yml", "zero2.yml", "zero3.yml", "hsdp.yml", "zeropp.yml", "zero_topo.yml"]
+PRESETS = ["ddp.yml", "zero1.yml", "zero2.yml", "zero3.yml", "hsdp.yml", "zeropp.yml", "zero_topo.yml",
+           "zero_topo_paper.yml"]
 
 
 def load(*names: str, env=None, overrides=()):
@@ -47,6 +48,23 @@ def test_tiny_cpu_is_the_single_process_reference():
     assert world_size_of(cfg) == 1 and cfg.zero.resolved_factors == [1, 1, 1]
     text = (CONFIGS / "tiny-cpu.yml").read_text()
     assert "topology" not in text and "zero_optimization" not in text
+
+
+def test_paper_zero_topo_preset_quantizes_all_but_the_cross_hop():
+    """configs/zero_topo_paper.yml: INT8 gathers and refresh, INT4 in-node hops, and the cross hop an
+    unquantized all-reduce, as the engine (QuantSettings) and the models (comm_spec_from_config) see it."""
+    from megatron.zero_topo.comm_model import ALLREDUCE, step_collectives
+    from megatron.zero_topo.model_inputs import comm_spec_from_config
+    from megatron.zero_topo.quantized import QuantSettings
+    cfg = load("tiny-cpu.yml", "sim-2x2x2.yml", "zero_topo_paper.yml")
+    assert (cfg.zero.resolved_preset, cfg.zero.resolved_factors) == ("zero_topo", [2, 4, 8])
+    quant = QuantSettings.from_config(cfg.zero)
+    assert (quant.weight_bits, quant.grad_bits, quant.cross_bits, quant.refresh_bits) == (8, 4, 0, 8)
+    spec = comm_spec_from_config(cfg, 512)
+    assert spec.cross_node_reduction == "all_reduce" and spec.quant.cross_node_grad_bits == 0
+    cross = [c for c in step_collectives(spec) if c.phase == "cross_grad_reduce"]
+    assert cross and all((c.op, c.bits, c.elem_bytes) == (ALLREDUCE, 0, 4) for c in cross)
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
 
 
 def test_paper_models_and_frontier():

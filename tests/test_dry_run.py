@@ -150,7 +150,11 @@ def test_dry_run_with_plan_auto_shows_the_chosen_layout_and_the_predicted_step(t
     reason = next(line for line in text.splitlines() if "chosen by zero_optimization.plan auto" in line)
     peak, budget = map(float, re.search(r"peak ([\d.]+) GB of ([\d.]+) GB", reason).groups())
     assert budget == 40.0 and peak <= budget
-    assert re.search(r"predicted optimizer step \(time model, figures preset frontier/mi250x_gcd\): [\d.]+ s", text)
+    # on Frontier with no probe file: the published figures, named, and one line saying how to replace them
+    assert re.search(r"predicted optimizer step \(time model, figures frontier-measured \(published RCCL[^)]*\)\): "
+                     r"[\d.]+ s", text), text
+    assert "figures: frontier-measured (a Frontier topology and no probe file" in reason + text
+    assert "figures: frontier-measured (published RCCL" in reason
     # the same configs without a vocabulary: the plan cannot be made, and the dry run says why
     no_vocab = deepy(*args, "--set", "vocab_size=null", "--set", "vocab_file=/nonexistent/tokenizer.json",
                      env_extra=slurm_job(8, gpus=8))

@@ -211,6 +211,16 @@ def test_refuses_parameters_outside_units_and_bad_calls():
         single_rank_engine(build_model(), precision="int8")
 
 
+def test_refuses_an_unknown_or_quantized_cross_node_reduction():
+    from megatron.zero_topo.quantized import QuantSettings
+    groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
+    for how, quant in (("ring", None), ("all_reduce", QuantSettings(cross_bits=4))):
+        model = build_model()
+        with pytest.raises(EngineError, match=r"cross_node_reduction .*all_reduce \(unquantized: cross_node_grad_bits 0"):
+            ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), 1,
+                           quant=quant, cross_node_reduction=how)
+
+
 def test_engine_from_config_one_process():
     from megatron.config.schema import NeoXConfig
     from megatron.zero_topo.setup import engine_from_config

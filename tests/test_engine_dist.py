@@ -38,8 +38,22 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
     groups = ProcessGroups(topology, factors, rank)
     comm = Communicator(groups)
     engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, run.get("precision", "fp32"), groups, comm,
-                            accum, preset=preset)
+                            accum, preset=preset, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter"))
     return engine, comm
+
+
+def _watch_cross_all_reduces(engine: ZeroTopoEngine, comm: Communicator) -> list:
+    """Record every cross_grad_reduce all-reduce as (elements, dtype, whether its buffer is the unit's
+    fp32 accumulator itself): in fp32 the paper's hop adds no buffer, it sums the accumulator in place."""
+    accumulators = {u.grad_accum.data_ptr(): u.grad_accum.numel() for u in engine.units}
+    seen, inner = [], comm.all_reduce
+
+    def all_reduce(buf, group, phase):
+        if phase == "cross_grad_reduce":
+            seen.append((buf.numel(), str(buf.dtype), accumulators.get(buf.data_ptr()) == buf.numel()))
+        return inner(buf, group, phase)
+    comm.all_reduce = all_reduce
+    return seen
 
 
 def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: int, steps: int, accum: int,
@@ -60,11 +74,13 @@ def _runs_worker(rank: int, world_size: int, layout: list[int], runs: list[dict]
     results = {}
     for run in runs:
         engine, comm = _make_engine(rank, layout, run, accum)
+        cross_all_reduces = _watch_cross_all_reduces(engine, comm)
         result = _train(engine, comm, rank, world_size, run.get("steps", steps), accum,
                         run.get("repeat_batch", False), run.get("lr", LR))
         result["unit_sizes"] = [u.size for u in engine.units]
         result["blocks"] = [i for i, u in enumerate(engine.units) if u.recomputes]
         result["memory"] = engine.model_state_bytes()
+        result["cross_all_reduces"] = list(cross_all_reduces)
         comm.ledger.reset()
         result["eval"] = engine.eval_loss(make_batch(99, 0, rank)).item()
         result["eval_ledger"] = comm.ledger.snapshot()
@@ -131,6 +147,9 @@ RUNS_8 = [
     {"name": "zero_topo", "preset": "zero_topo"}, {"name": "explicit_2_4_8", "factors": [2, 4, 8]},
     {"name": "explicit_1_2_4", "factors": [1, 2, 4]},
     {"name": "zero_topo_recompute", "preset": "zero_topo", "checkpoint_activations": True},
+    # the paper's step-boundary hop: cross pairs (2, 4, 8), and cross groups of 4 over both tiers (1, 2, 8)
+    {"name": "zero_topo_all_reduce", "preset": "zero_topo", "cross_node_reduction": "all_reduce"},
+    {"name": "all_reduce_1_2_8", "factors": [1, 2, 8], "cross_node_reduction": "all_reduce"},
     {"name": "zero_topo_bf16", "preset": "zero_topo", "precision": "bfloat16", "steps": 6, "repeat_batch": True,
      "lr": TRAIN_LR, "state": False},
 ]
@@ -197,6 +216,21 @@ def test_ledger_zero_topo_cells(eight_ranks):
     assert ledger[("refresh", "intra_node")] == 8 * (total // 2) * 4 // 2
     # Same table every step.
     assert run["ledgers"][1] == ledger == run["ledgers"][2]
+
+
+def test_paper_all_reduce_doubles_the_cross_hop_in_place(eight_ranks):
+    """cross_node_reduction all_reduce: only the cross hop changes, to twice the reduce-scatter's bytes,
+    and it sums each unit's fp32 S/g accumulator itself, once per unit per step (no extra buffer)."""
+    ours, paper = eight_ranks[0][0]["zero_topo"], eight_ranks[0][0]["zero_topo_all_reduce"]
+    for mine, theirs in zip(ours["ledgers"], paper["ledgers"]):
+        for key, nbytes in mine.items():
+            assert theirs[key] == (2 * nbytes if key[0] == "cross_grad_reduce" else nbytes), key
+    assert paper["ledgers"][0][("cross_grad_reduce", "inter_node")] > 0
+    assert ours["cross_all_reduces"] == []
+    for rank_result in eight_ranks[0]:
+        for name, g in (("zero_topo_all_reduce", 4), ("all_reduce_1_2_8", 2)):
+            run = rank_result[name]
+            assert run["cross_all_reduces"] == [(s // g, "torch.float32", True) for s in run["unit_sizes"]] * STEPS
 
 
 def test_ledger_recompute_relabelled(eight_ranks):

@@ -13,7 +13,9 @@ what it measured with ``predict_ledger`` / ``predict_ledger_per_rank`` / ``predi
 - evaluation passes in a window: the trainer evaluates after a step's ledger sync, so the eval
   gathers and the eval-loss allreduce land in the *next* step's window;
 - quantized collectives (zero_topo all-quantized, zeropp qwZ + qgZ, stage 3 INT8 weights), with and
-  without error feedback, on a small block so padding to N x b and whole-block chunks are exercised.
+  without error feedback, on a small block so padding to N x b and whole-block chunks are exercised;
+- the paper's step-boundary hop (cross_node_reduction all_reduce): fp32, bf16, fp32 under bf16 on
+  cross groups over both tiers, and configs/zero_topo_paper.yml's quantization.
 
 Unit sizes for the model are the unpadded counts of ``megatron.model.unit_parameter_counts``; the
 model is shaped so that no unit is a multiple of 8 (padding is exercised on every unit at N = 8).
@@ -55,10 +57,11 @@ def model_config(checkpoint_activations: bool = False) -> ModelConfig:
 
 def _case(name: str, *, preset: str | None = None, factors: tuple | None = None, accum: int = 1,
           checkpoint: bool = False, precision: str = "fp32", fp32_allreduce: bool = False, eval_iters: int = 0,
-          quant: tuple | None = None) -> dict:
+          quant: tuple | None = None, cross_node_reduction: str = "reduce_scatter") -> dict:
     """``quant``: (weight, grad, cross, refresh bits, block, error feedback), or None for none."""
     return dict(name=name, preset=preset, factors=factors, accum=accum, checkpoint=checkpoint, precision=precision,
-                fp32_allreduce=fp32_allreduce, eval_iters=eval_iters, quant=quant)
+                fp32_allreduce=fp32_allreduce, eval_iters=eval_iters, quant=quant,
+                cross_node_reduction=cross_node_reduction)
 
 
 def _cases(presets: list, factor_sets: list, extras: list) -> list[dict]:
@@ -74,6 +77,14 @@ PRESETS = ["stage0", "stage1", "stage2", "stage3", "hsdp", "zeropp", "zero_topo"
 # (weight, grad, cross, refresh bits, block, error feedback); block 8 keeps units several blocks long.
 ALL_Q, ALL_Q_EF = (8, 4, 4, 8, 8, False), (8, 4, 4, 8, 8, True)
 WEIGHTS_Q = (8, 0, 0, 0, 8, False)
+PAPER_Q = (8, 4, 0, 8, 8, False)  # configs/zero_topo_paper.yml: INT8 weights and refresh, INT4 in-node hops
+# cross_node_reduction all_reduce (the paper's step-boundary hop), on both layouts
+ALL_REDUCE_CASES = [
+    _case("ar-zero_topo-A2", preset="zero_topo", accum=2, cross_node_reduction="all_reduce"),
+    _case("ar-zero_topo-bf16-A1", preset="zero_topo", precision="bfloat16", cross_node_reduction="all_reduce"),
+    _case("ar-q-paper-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, quant=PAPER_Q,
+          cross_node_reduction="all_reduce"),
+]
 QUANT_CASES = [
     _case("q-zero_topo-A1", preset="zero_topo", quant=ALL_Q),
     _case("q-zero_topo-ef-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, quant=ALL_Q_EF),
@@ -101,6 +112,10 @@ CASES = {
         _case("stage0-eval1-A1", preset="stage0", eval_iters=1),
         _case("hsdp-bf16-eval2-A2", preset="hsdp", accum=2, precision="bfloat16", eval_iters=2),
         *QUANT_CASES,
+        *ALL_REDUCE_CASES,
+        # cross groups {0, 2, 4, 6} {1, 3, 5, 7}: a ring over both tiers, in fp32 under bf16 compute
+        _case("ar-f1-2-8-bf16-fp32ar-A1", factors=(1, 2, 8), precision="bfloat16", fp32_allreduce=True,
+              cross_node_reduction="all_reduce"),
     ]),
     "four": _cases(PRESETS, [(1, 2, 4), (1, 2, 2)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
@@ -111,6 +126,7 @@ CASES = {
         _case("zero_topo-eval1-A2", preset="zero_topo", accum=2, eval_iters=1),
         _case("f1-2-2-eval2-A1", factors=(1, 2, 2), eval_iters=2),
         *QUANT_CASES,
+        *ALL_REDUCE_CASES,
     ]),
 }
 
@@ -167,7 +183,8 @@ def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict)
         quant = QuantSettings(weight_bits=weight, grad_bits=grad, cross_bits=cross, refresh_bits=refresh, block=block,
                               error_feedback=feedback, impl="reference")
     engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, case["precision"], groups, Communicator(groups),
-                            case["accum"], preset=case["preset"], fp32_allreduce=case["fp32_allreduce"], quant=quant)
+                            case["accum"], preset=case["preset"], fp32_allreduce=case["fp32_allreduce"], quant=quant,
+                            cross_node_reduction=case["cross_node_reduction"])
     engine.ledger.reset()
     first = _train_step(engine, rank, 0, case["accum"])
     windows = [_close_window(engine)]
@@ -211,7 +228,7 @@ def spec_for(layout_key: str, case: dict, window: int) -> CommSpec:
     quant = QuantSpec(*case["quant"]) if case["quant"] else QuantSpec()
     return CommSpec(units, LAYOUTS[layout_key], preset=case["preset"], factors=case["factors"], quant=quant,
                     micro_batches=case["accum"], compute_bytes=2 if case["precision"] == "bfloat16" else 4,
-                    fp32_allreduce=case["fp32_allreduce"],
+                    fp32_allreduce=case["fp32_allreduce"], cross_node_reduction=case["cross_node_reduction"],
                     checkpointed_units=transformer_block_units(len(units)) if case["checkpoint"] else frozenset(),
                     eval_forward_passes=case["eval_iters"] if window == 1 else 0)
 

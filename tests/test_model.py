@@ -304,6 +304,16 @@ def test_unit_parameter_counts_match_model(untied):
     assert parameter_count(cfg, VOCAB) == num_parameters(model)
 
 
+def test_unit_parameter_shapes_match_the_built_model():
+    """What the DeepSpeed model counts per parameter (deepspeed_model.py): names and shapes unit by unit."""
+    from megatron.model.sizes import unit_parameter_shapes
+    cfg = tiny_cfg(no_weight_tying=True, intermediate_size=96)
+    model = GPTNeoX(cfg)
+    built = [[(name, tuple(p.shape)) for name, p in unit.named_parameters()] for unit in model.units()]
+    assert unit_parameter_shapes(cfg, VOCAB) == built
+    assert [sum(math.prod(s) for _, s in unit) for unit in built] == unit_parameter_counts(cfg, VOCAB)
+
+
 def test_model_flops_per_token_golden():
     cfg = tiny_cfg()  # L=2, h=64, f=256, V=128, s=16
     # matmul weights: 2 * (3*64*64 + 64*64 + 2*64*256) + 64*128 = 2 * 49152 + 8192 = 106496

@@ -82,7 +82,7 @@ def test_plan_auto_writes_explicit_factors_that_the_layout_accepts(tmp_path, tin
     from megatron.topology.layout import ShardLayout
     layout = ShardLayout.from_config(planned)
     assert layout.factors.as_tuple() == plan.best.factors
-    assert "figures: preset sim2x2" in plan.reason()
+    assert "figures: nominal (preset sim2x2" in plan.reason()
     again, _ = planned_config(cfg, 4)  # pure arithmetic: every rank gets the same plan
     assert again.zero.resolved_factors == planned.zero.resolved_factors
     assert apply_plan(cfg, plan.best).zero.shard_factors in (list(plan.best.factors), None)
@@ -112,7 +112,7 @@ def test_a_run_with_plan_auto_trains_under_the_layout_it_logs(tmp_path, tiny_cor
     out = result.stdout + result.stderr
     assert "shard factors chosen at start-up (plan: auto)" in out
     line = next(x for x in out.splitlines() if "zero_optimization.plan auto chose" in x)
-    assert "predicted" in line and "figures: preset sim2x2" in line
+    assert "predicted" in line and "figures: nominal (preset sim2x2" in line
     assert (tmp_path / "logs" / "metrics.jsonl").exists()
 
 

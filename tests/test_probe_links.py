@@ -86,7 +86,15 @@ def test_a_probe_on_four_ranks_feeds_the_time_model_and_the_planner(tmp_path, ca
     assert 0.0 <= device["overlap_efficiency"] <= 1.0
     assert set(device["overlap_by_tier"]) == {"inter_node", "intra_node"}
     assert all(0.0 <= e <= 1.0 for e in device["overlap_by_tier"].values())
-    assert len(data["samples"]) == 2 * 4 * 2  # tiers x ops x sizes
+    assert len(data["samples"]) == 3 * 4 * 2  # (two tiers' bands + the world ring) x ops x sizes
+    # curves per shape: one rank per node (the cross / rail groups), the node, the world ring; every
+    # engine algorithm on each, two points each (the sizes), in ascending step bytes
+    assert set(data["curves"]["ring_allgather"]) == {"cross", "node", "world"}
+    assert set(data["curves"]["all_to_all"]) == {"cross", "node", "world"}  # qgZ's two hops, and the world
+    for per_shape in data["curves"].values():
+        for curve in per_shape.values():
+            steps = [c for c, _ in curve["points"]]
+            assert steps == sorted(steps) and len(steps) == 2 and all(r > 0 for _, r in curve["points"])
     assert {c["group"] for c in data["checks"]} == {"world"}
     # the model reads it ...
     hw = Hardware.from_topology(__import__("megatron.topology", fromlist=["Topology"]).Topology.simulated((2, 2)),
@@ -95,6 +103,8 @@ def test_a_probe_on_four_ranks_feeds_the_time_model_and_the_planner(tmp_path, ca
     assert hw.device.overlap("intra_node") == device["overlap_by_tier"]["intra_node"]
     fig = data["tiers"]["inter_node"]
     assert hw.link("ring_allgather", "inter_node").bandwidth == pytest.approx(fig["bandwidth_gbs"] * 1e9)
+    world = data["curves"]["ring_allgather"]["world"]["points"]
+    assert hw.curve("ring_allgather", "world").bandwidth(world[0][0]) == pytest.approx(world[0][1] * 1e9)
     # ... and so does the planner's command line
     import plan as plan_cli
     code = plan_cli.main([str(REPO / "configs" / "tiny-cpu.yml"), "--topology", "sim", "--layout", "2", "2",

@@ -269,7 +269,7 @@ def test_probe_figures_replace_the_presets_per_tier_and_per_algorithm(tmp_path):
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(probe_dict()))
     hw = toy_hardware().with_probe(str(path), str(path))
-    assert hw.backend == "gloo" and hw.source == f"probe {path}"
+    assert hw.backend == "gloo" and hw.source == f"probe {path} on nominal"
     assert hw.link(RING_ALLGATHER, "inter_node") == TierLink(100.0, 2.0)          # the probe's tier figures
     assert hw.link(RING_REDUCE_SCATTER, "inter_node") == TierLink(50.0, 4.0)      # measured per algorithm
     assert hw.link("ring_allreduce", "inter_node") == TierLink(100.0, 2.0)        # falls back to the ring gather

@@ -12,7 +12,8 @@ memory model's peak per device, the bytes one rank sends per step on each tier, 
 time and model TFLOPS per device (and, for the best, the step's seconds by phase); ``*`` marks the best candidate that fits the memory budget (the
 same search ``zero_optimization.plan: auto`` runs, megatron/zero_topo/planner.py). The summary gives
 the best per node count and its scaling efficiency against the smallest count. Link and device
-figures are the topology preset's, or a probe's (tools/probe_links.py) with --probe.
+figures are --figures' (auto: frontier-measured on --topology frontier, docs/frontier-model.md), with
+a probe's (tools/probe_links.py) on top with --probe.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron.config import ConfigError, load_config  # noqa: E402
 from megatron.topology import Topology  # noqa: E402
 from megatron.zero_topo.comm_model import CommModelError  # noqa: E402
-from megatron.zero_topo.model_inputs import padded_vocab_of, quant_spec_of  # noqa: E402
+from megatron.zero_topo.model_inputs import figure_set_of, figures_note, padded_vocab_of, quant_spec_of  # noqa: E402
 from megatron.zero_topo.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
                                         search)
 from megatron.zero_topo.hardware import Hardware  # noqa: E402
@@ -56,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", default="8", help="comma-separated node counts (frontier, dgx)")
     p.add_argument("--layout", type=int, nargs="+", help="sim: tier sizes, slowest first (e.g. 2 2 2)")
     p.add_argument("--memory-per-device", type=parse_size, default=None, help="budget, e.g. 64GB (default: the device's)")
-    p.add_argument("--probe", help="a link probe JSON (tools/probe_links.py) instead of the preset's figures")
+    p.add_argument("--figures", choices=("auto", "nominal", "frontier-measured"), default="auto",
+                   help="the figure set (docs/frontier-model.md); auto: frontier-measured on --topology frontier")
+    p.add_argument("--probe", help="a link probe JSON (tools/probe_links.py) over the figure set")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: gloo for sim, else nccl")
     p.add_argument("--quantization", choices=("config", "all"), default="all",
                    help=f"config: the configs' bits only; all: also {', '.join(QUANT_CHOICES)} (default)")
@@ -77,14 +80,15 @@ def machine_overrides(args, nodes: int) -> list:
 
 
 def plan_nodes(args, nodes: int):
-    cfg = load_config(args.configs, [*args.overrides, *machine_overrides(args, nodes)], notices=[])
+    cfg = load_config(args.configs, [*args.overrides, *machine_overrides(args, nodes),
+                                     f"topology.figure_set={args.figures}"], notices=[])
     vocab = padded_vocab_of(cfg)
     if vocab is None:
         raise ConfigError(f"the vocabulary is unknown: the tokenizer file {cfg.tokenizer.vocab_file!r} is not there "
                           "(python deepy.py train.py ... builds the demo one); or pass --set vocab_size=N")
     topology = Topology.from_config(cfg, cfg.topology.world_size)
     backend = args.backend or ("gloo" if args.topology == "sim" else "nccl")
-    hw = Hardware.from_topology(topology, backend=backend)
+    hw = Hardware.from_topology(topology, backend=backend, figures=figure_set_of(cfg))
     if args.probe:
         hw = hw.with_probe(args.probe, args.probe)
     inputs = inputs_from_config(cfg, vocab, hw, args.memory_per_device)
@@ -93,6 +97,8 @@ def plan_nodes(args, nodes: int):
         quants = {name: quant_spec(name, inputs.quant_block) for name in QUANT_CHOICES}
     ckpt = {"config": (bool(cfg.model.checkpoint_activations),), "on": (True,), "off": (False,),
             "both": (False, True)}[args.checkpointing]
+    if nodes == min(int(n) for n in args.nodes.split(",")) and not args.probe and figures_note(cfg):
+        print(figures_note(cfg))  # once: the published set was chosen for this Frontier topology
     return search(cfg.topology.layout, inputs, quants=quants, checkpointing=ckpt, include_zeropp=not args.no_zeropp)
 
 

@@ -13,7 +13,11 @@ a node, one rank per node) and times, in all of them at once and through the eng
 ``Communicator``, an all-gather, a reduce-scatter, an all-to-all and an all-reduce of a few buffer
 sizes; a line ``steps x latency + load / bandwidth`` fitted to each (algorithm, tier) gives the
 figures, with the load and steps the time model itself computes for those groups
-(``time_model.footprint``), so the two read the same numbers. Then, with every rank at once: the
+(``time_model.footprint``), so the two read the same numbers. The same samples, and those of the
+world ring and of qgZ's two all-to-all hops (the node group, then the rail: one rank per node), give
+a curve per (algorithm, group shape) (``hardware.LinkCurve``: the domain's rate against the bytes of
+one algorithm step), which the time model reads before the tier figures, so a probe of an allocation
+replaces a published figure set (frontier-measured) with the machine's own. Then, with every rank at once: the
 model's forward + backward (achieved FLOP/s), the AdamW update (elements/s), a quantize +
 dequantize (elements/s), and per tier the overlap efficiency (an all-gather in the tier's band
 groups issued before a forward + backward: the share of min(compute, communication) that
@@ -50,7 +54,7 @@ from megatron.topology.groups import RankGroup  # noqa: E402
 from megatron.zero_topo.comm import Communicator  # noqa: E402
 from megatron.zero_topo.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
 from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
-from megatron.zero_topo.hardware import PROBE_FORMAT  # noqa: E402
+from megatron.zero_topo.hardware import PROBE_FORMAT, group_shape  # noqa: E402
 from megatron.zero_topo.time_model import algorithm_of, footprint  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
@@ -141,25 +145,40 @@ class Probe:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def links(self) -> tuple[dict, list]:
-        """{algorithm: {tier: figures}} fitted on the band groups, and every sample."""
-        samples, fits = [], {}
+    def links(self) -> tuple[dict, dict, list]:
+        """{algorithm: {tier: figures}} fitted on the band groups; {algorithm: {shape: curve}} from
+        the band groups and, where the layout has them, the world ring and qgZ's node all-to-all;
+        and every sample."""
+        samples, fits, curves = [], {}, {}
         for name, (groups, mine) in self.kinds.items():
-            if not name.startswith("band:"):
+            if len(groups[0]) == 1:
                 continue
-            tier = name.split(":", 1)[1]
-            for op in OPS:
+            ops = OPS if name.startswith("band:") or name == "world" else ("all_to_all", "all_gather")
+            shape = group_shape(groups[0], self.layout)
+            for op in ops:
                 algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
                 fp = footprint(groups, self.layout, algorithm)
-                points = []
+                points, rates = [], []
                 for kb in self.args.sizes_kb:
                     nbytes = kb * 1024
                     seconds = self.time_op(op, mine, nbytes)
-                    points.append((nbytes * fp.domain_load[tier], seconds))
-                    samples.append({"group": name, "op": op, "algorithm": algorithm, "k": fp.k, "bytes": nbytes,
-                                    "seconds": seconds})
-                fits.setdefault(algorithm, {})[tier] = fit_line(points, fp.steps)
-        return fits, samples
+                    points.append((nbytes * fp.domain_load[fp.slowest_tier], seconds))
+                    rates.append([nbytes / fp.k, nbytes * fp.domain_load[fp.slowest_tier] / seconds / 1e9])
+                    samples.append({"group": name, "op": op, "algorithm": algorithm, "k": fp.k, "shape": shape,
+                                    "bytes": nbytes, "seconds": seconds})
+                if name.startswith("band:"):
+                    fits.setdefault(algorithm, {})[name.split(":", 1)[1]] = fit_line(points, fp.steps)
+                if self._gives_curve(name, shape):
+                    curves.setdefault(algorithm, {})[shape] = {"points": sorted(rates), "group": name, "k": fp.k}
+        return fits, curves, samples
+
+    def _gives_curve(self, name: str, shape: str) -> bool:
+        """One group kind per shape: the GCD pair, the whole node (zeropp's gathers, qgZ's first hop;
+        on a three-tier layout the node group rather than its one-GCD-per-GPU band), one rank per
+        node (the cross and rail groups), the world."""
+        if shape == "node" and "node" in self.kinds:
+            return name == "node"
+        return name.startswith("band:") or name == "world"
 
     def checks(self, fits: dict) -> list:
         """The spanning groups timed, beside the fitted model's prediction."""
@@ -296,7 +315,7 @@ def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend
     --out atomically and returns what it wrote, the other ranks return None."""
     started = time.monotonic()
     probe = Probe(args, rank, device, backend)
-    fits, samples = probe.links()
+    fits, curves, samples = probe.links()
     device_part = probe.device_figures(fits)
     checks = probe.checks(fits)
     result = None
@@ -304,7 +323,8 @@ def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend
         result = {"format": PROBE_FORMAT, "layout": list(args.layout), "backend": backend,
                   "device_type": device.type, "dtype": args.dtype, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": "tools/probe_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "tiers": fits.get("ring_allgather", {}), "algorithms": fits, "device": device_part.pop("figures"),
+                  "tiers": fits.get("ring_allgather", {}), "algorithms": fits, "curves": curves,
+                  "device": device_part.pop("figures"),
                   "device_timings": device_part, "samples": samples, "checks": checks,
                   "wall_s": round(time.monotonic() - started, 1)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

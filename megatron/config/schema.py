@@ -179,8 +179,10 @@ class ZeroConfig:
                                             key="zero_optimization.weight_gather_bits", choices=(0, 8))
     grad_reduce_bits: Optional[int] = doc(None, "Bits of the micro-step gradient reductions (all-to-all hops): 4 = packed INT4, 8 = INT8, 0 = compute dtype; None = 4 when zero_quantized_gradients, else 0.",
                                           key="zero_optimization.grad_reduce_bits", choices=(0, 4, 8))
-    cross_node_grad_bits: Optional[int] = doc(None, "Bits of the step-boundary gradient reduction across the cross group (0, 4 or 8); None = grad_reduce_bits.",
+    cross_node_grad_bits: Optional[int] = doc(None, "Bits of the step-boundary gradient reduction across the cross group (0, 4 or 8); None = grad_reduce_bits (0 with cross_node_reduction all_reduce).",
                                               key="zero_optimization.cross_node_grad_bits", choices=(0, 4, 8))
+    cross_node_reduction: str = doc("reduce_scatter", "How the step boundary sums each rank's 1/g gradient shard over the cross group (the os/g ranks at the same place on other nodes): reduce_scatter (ours) leaves each member its 1/os slice, sending (k-1)/k of the shard per rank in the boundary dtype (fp32 with fp32_allreduce, else the compute dtype) or as packed INT4/INT8 (cross_node_grad_bits); all_reduce (the paper's, arXiv 2501.04266) sums the whole shard on every member, unquantized in the boundary dtype, and keeps the same slice: twice the bytes across nodes, same training. all_reduce is never quantized: cross_node_grad_bits then defaults to 0 and a nonzero value is refused; it is refused for zeropp (no cross group) and with plan auto (the planner scores reduce_scatter), and changes nothing where the cross group has one rank (os = g).",
+                                    key="zero_optimization.cross_node_reduction", choices=("reduce_scatter", "all_reduce"))
     refresh_bits: Optional[int] = doc(None, "Bits of the refresh's cross-group allgather of the updated slices: 8 = INT8, 0 = compute dtype; None = 8 when zero_quantized_weights or zero_quantized_refresh, else 0.",
                                       key="zero_optimization.refresh_bits", choices=(0, 8))
     quantization_impl: str = doc("auto", "Quantization kernels: auto (triton on GPUs, C++ on CPU), reference (plain torch), cpp or triton; one that cannot run here falls back to reference with a notice.",
@@ -193,7 +195,7 @@ class ZeroConfig:
                                   key="zero_optimization.reduce_bucket_size", ge=1)
     reduce_buckets_in_flight: int = doc(2, "With overlap_comm: most gradient pieces issued and not yet added to the accumulator (each holds its gradient and its hop buffers), like the gather prefetch's bound.",
                                         key="zero_optimization.reduce_buckets_in_flight", ge=1)
-    plan: Optional[str] = doc(None, "auto: choose the shard factors (every nested [w, g, os], and ZeRO++) at start-up with the step-time model (megatron/zero_topo/planner.py; docs/time_model.md): the shortest predicted step whose memory peak fits plan_memory_per_device_gb, with the link figures of topology.link_figures when set, else the topology preset's. Rank 0 logs the plan and why. Excludes stage, preset, shard_factors and zero_hpz_partition_size.",
+    plan: Optional[str] = doc(None, "auto: choose the shard factors (every nested [w, g, os], and ZeRO++) at start-up with the step-time model (megatron/zero_topo/planner.py; docs/time_model.md): the shortest predicted step whose memory peak fits plan_memory_per_device_gb, with the figures of topology.figure_set and topology.link_figures. Rank 0 logs the plan, why, and the figure set it used. Excludes stage, preset, shard_factors and zero_hpz_partition_size.",
                               key="zero_optimization.plan", choices=("auto",))
     plan_quantize: bool = doc(False, "With plan auto: the planner may also choose quantization bits per phase (none, INT4/INT8 at the step boundary only, or INT8 weights + INT4 gradients); false keeps the configured quantization.",
                               key="zero_optimization.plan_quantize")
@@ -212,8 +214,10 @@ class TopologyConfig:
                                 key="topology.preset", choices=("frontier", "dgx", "sim"))
     simulate: Optional[list] = doc(None, "Simulated layout on this machine, fastest tier last, e.g. [2, 2, 2] = 2 nodes x 2 GPUs x 2 GCDs, or [2, 2].",
                                    key="topology.simulate")
-    link_figures: Optional[str] = doc(None, "A link probe JSON (tools/probe_links.py, or written by hand: docs/time_model.md) whose per-tier bandwidths and latencies, per-algorithm figures and device rates replace the topology preset's in the step-time model (the planner of zero_optimization.plan auto, deepy --dry-run).",
+    link_figures: Optional[str] = doc(None, "A link probe JSON (tools/probe_links.py, or written by hand: docs/time_model.md) whose per-tier bandwidths and latencies, per-(algorithm, group shape) curves, per-algorithm figures and device rates replace those of topology.figure_set in the step-time model (the planner of zero_optimization.plan auto, deepy --dry-run).",
                                       key="topology.link_figures")
+    figure_set: str = doc("auto", "The step-time model's starting figures (docs/frontier-model.md): nominal (the topology's per-tier link figures and the device table), frontier-measured (published RCCL measurements on MI250X + Slingshot-11, megatron/zero_topo/figure_sets.py), or auto: frontier-measured on topology.preset frontier, nominal elsewhere. topology.link_figures applies on top.",
+                          key="topology.figure_set", choices=("auto", "nominal", "frontier-measured"))
     layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, or under launcher slurm without a preset the allocation's nodes x tasks (or GPUs) per node); None for one process.",
                                  key="topology.layout", derived=True)
     world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).",

@@ -278,6 +278,9 @@ def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
         if chosen:
             raise ctx.error(chosen[0], "is set together with plan: auto, which chooses the layout itself",
                             "remove one of the two")
+        if z.cross_node_reduction == "all_reduce":
+            raise ctx.error("zero.cross_node_reduction", "all_reduce is set together with plan: auto, whose step-time "
+                            "model scores the reduce-scatter only", "remove one of the two")
         z.resolved_factors, z.resolved_preset = None, None  # megatron.zero_topo.planner.planned_config
         return
     for target in ("zero.plan_quantize", "zero.plan_memory_per_device_gb"):
@@ -297,6 +300,25 @@ def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
         raise ctx.error("zero.zero_hpz_partition_size", f"{hpz} is not the ranks per node ({layout.ranks_per_node}) of this layout",
                         f"set it to {layout.ranks_per_node} or use preset: zeropp")
     z.resolved_factors, z.resolved_preset = list(layout.factors.as_tuple()), layout.preset
+    _cross_node_reduction(z, ctx, layout)
+
+
+def _cross_node_reduction(z, ctx: _Context, layout: ShardLayout) -> None:
+    """all_reduce (the paper's step-boundary hop) is an unquantized all-reduce: the cross hop's bits
+    default to 0 there (not to grad_reduce_bits, which zero_quantized_gradients makes 4: a user who
+    asks for the paper's hop and INT4 micro-step hops means exactly that) and a nonzero value is
+    refused; zeropp has no cross group for it to act on."""
+    if z.cross_node_reduction != "all_reduce":
+        return
+    if layout.hpz:
+        raise ctx.error("zero.cross_node_reduction", "all_reduce needs a cross group, which zeropp (hpZ) does not have",
+                        "use preset zero_topo (or any [w, g, os]) or cross_node_reduction: reduce_scatter")
+    if z.cross_node_grad_bits is None:
+        z.cross_node_grad_bits = 0
+    elif z.cross_node_grad_bits:
+        raise ctx.error("zero.cross_node_grad_bits", f"{z.cross_node_grad_bits} quantizes the cross hop, but "
+                        "cross_node_reduction all_reduce sends it unquantized",
+                        "set cross_node_grad_bits: 0 (or leave it unset), or use cross_node_reduction: reduce_scatter")
 
 
 def _launcher(cfg: NeoXConfig, ctx: _Context, env) -> None:

@@ -30,6 +30,20 @@ def unit_parameter_counts(model_cfg: ModelConfig, vocab_size: int) -> list[int]:
     return [embed] + [block] * model_cfg.num_layers + [final]
 
 
+def unit_parameter_shapes(model_cfg: ModelConfig, vocab_size: int) -> list[list[tuple[str, tuple]]]:
+    """Each unit's parameters as (name within the unit, shape), in ``named_parameters()`` order (the
+    order the engine flattens them and DeepSpeed registers them); the counts of
+    ``unit_parameter_counts`` unit by unit."""
+    h, f, v = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size
+    norm = lambda name: [(f"{name}.weight", (h,)), (f"{name}.bias", (h,))]  # noqa: E731
+    linear = lambda name, out, inp: [(f"{name}.weight", (out, inp)), (f"{name}.bias", (out,))]  # noqa: E731
+    block = (norm("input_layernorm") + norm("post_attention_layernorm")
+             + linear("attention.query_key_value", 3 * h, h) + linear("attention.dense", h, h)
+             + linear("mlp.dense_h_to_4h", f, h) + linear("mlp.dense_4h_to_h", h, f))
+    final = norm("final_layer_norm") + ([("embed_out.weight", (v, h))] if model_cfg.no_weight_tying else [])
+    return [[("embed_in.weight", (v, h))]] + [list(block) for _ in range(model_cfg.num_layers)] + [final]
+
+
 def parameter_count(model_cfg: ModelConfig, vocab_size: int) -> int:
     """Total distinct parameters of the model (a tied embedding counted once)."""
     return sum(unit_parameter_counts(model_cfg, vocab_size))

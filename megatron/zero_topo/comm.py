@@ -6,7 +6,8 @@ ring all-gather / reduce-scatter: (k-1)/k x B to the next member; all-reduce: tw
 all-to-all: B/k to each other member. Each send is charged to the tier between sender and receiver.
 A group of one rank issues nothing and records nothing (a local copy keeps the semantics).
 
-Reduce-scatter of CPU tensors (gloo) is ours, not gloo's: gloo's reduce-scatter all-reduces the
+Which algorithm runs is ``megatron.zero_topo.algorithms.collective_algorithm``'s choice, the one the
+step-time model predicts with. Reduce-scatter of CPU tensors (gloo) is ours, not gloo's: gloo's reduce-scatter all-reduces the
 whole buffer and keeps a slice, 2x the ring's bytes on the wire (FIELD_NOTES). A group whose members
 all talk over one tier (a node's ranks, the cross-node group of one rank per node) does one
 all-to-all and sums the k received chunks locally in fp32: the ring's bytes per tier, one
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from megatron.topology import compat
 from megatron.topology.groups import ProcessGroups, RankGroup
+from megatron.zero_topo.algorithms import ALL_TO_ALL_SUM, backend_of_device, collective_algorithm
 from megatron.zero_topo.ledger import ByteLedger
 
 
@@ -101,14 +103,19 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
-        if inp.device.type != "cpu":
-            charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
-            return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
-        if self._one_tier(group):
+        backend = self.backend_for(inp)
+        if collective_algorithm("reduce_scatter", backend, self._one_tier(group)) == ALL_TO_ALL_SUM:
             return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
+        if backend == "nccl":  # NCCL/RCCL's own ring
+            return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
         self._ring_reduce_scatter(out, inp, group)
         return charges, Pending(None)
+
+    @staticmethod
+    def backend_for(t: torch.Tensor) -> str:
+        """The backend that moves ``t`` (algorithms.backend_of_device): what decides the algorithm."""
+        return backend_of_device(t.device.type)
 
     def _one_tier(self, group: RankGroup) -> bool:
         """Whether every pair of members talks over the same tier."""

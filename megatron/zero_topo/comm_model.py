@@ -32,6 +32,7 @@ TIERS_BY_DEPTH = {2: ("inter_node", "intra_node"), 3: ("inter_node", "intra_node
 
 ALLGATHER, REDUCE_SCATTER, ALLREDUCE, ALL_TO_ALL = "allgather", "reduce_scatter", "allreduce", "all_to_all"
 FP32_BYTES, FP64_BYTES = 4, 8
+CROSS_NODE_REDUCTIONS = ("reduce_scatter", "all_reduce")  # zero_optimization.cross_node_reduction
 
 Ledger = dict  # dict[(phase, tier), int]: bytes sent per optimizer step
 
@@ -127,6 +128,10 @@ class CommSpec:
     """Most elements of one gradient-reduction piece (reduce_bucket_size). Memory only."""
     quant: QuantSpec = field(default_factory=QuantSpec)
     """Quantized collectives: effective bits per phase, block size, error feedback (default: none)."""
+    cross_node_reduction: str = "reduce_scatter"
+    """The ladder's step-boundary cross hop: reduce_scatter of the S/g accumulator (ours; quantized when
+    quant.cross_node_grad_bits > 0), or all_reduce of it, unquantized, each member keeping its S/os
+    (the paper's: twice the reduce-scatter's bytes)."""
     shard_layout: ShardLayout = field(init=False, repr=False, compare=False)
     """Derived from layout + preset / factors by ``_validate``."""
 
@@ -183,6 +188,13 @@ def _validate(spec: CommSpec) -> None:
     if min(spec.loss_vector_len, spec.eval_loss_vector_len, spec.ledger_vector_len) < 1:
         raise CommModelError("loss_vector_len, eval_loss_vector_len and ledger_vector_len must be >= 1")
     _validate_quant(spec.quant)
+    if spec.cross_node_reduction not in CROSS_NODE_REDUCTIONS:
+        raise CommModelError(f"cross_node_reduction must be one of {', '.join(CROSS_NODE_REDUCTIONS)}; "
+                             f"got {spec.cross_node_reduction!r}")
+    if spec.cross_node_reduction == "all_reduce" and (spec.quant.cross_node_grad_bits or layout.hpz):
+        raise CommModelError("cross_node_reduction all_reduce is an unquantized hop over the cross group: it needs "
+                             f"cross_node_grad_bits 0 (got {spec.quant.cross_node_grad_bits}) and a ladder layout, "
+                             "not zeropp")
 
 
 def _validate_quant(quant: QuantSpec) -> None:
@@ -275,6 +287,11 @@ class Collective:
     """The unit it moves (None: the control vectors); the time model schedules by unit."""
     bits: int = 0
     """Quantized payload bits (0: the buffer is in its dtype); the time model adds the kernels' cost."""
+    kernel_elements: Optional[float] = None
+    """Time model only: elements through one quantize + dequantize per run (None: from ``bits``, the
+    packed bytes and the block, ``time_model.quantized_elements``)."""
+    copy_bytes: int = 0
+    """Time model only: bytes this rank copies locally per run (a swizzle, a secondary copy)."""
 
     @property
     def nbytes(self) -> int:
@@ -332,9 +349,13 @@ def _ladder_collectives(spec: CommSpec) -> list:
         if u != len(sizes) - 1:  # the last unit stays gathered from its forward to its backward
             passes.append((backward_gather, a))
         out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n, u) for phase, n in passes]
+        # the step boundary's cross hop on the S/g accumulator: the paper's all-reduce, or our reduce-scatter
+        cross_hop = (Collective("cross_grad_reduce", ALLREDUCE, "cross", s // g, boundary, 1, u)
+                     if spec.cross_node_reduction == "all_reduce" else
+                     _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u))
         out += [_reduce("grad_reduce", "weight", s, w, weight_hop, qs.grad_reduce_bits, b, a, u),
                 _reduce("grad_reduce", "stride", s // w, g // w, stride_hop, qs.grad_reduce_bits, b, a, u),
-                _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u),
+                cross_hop,
                 Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary, 1, u),
                 _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b, 1, u),
                 _gather("refresh", "stride", s // w, g // w, c, 0, b, 1, u)]

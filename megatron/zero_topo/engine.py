@@ -3,7 +3,8 @@
 Per micro-batch each unit is gathered before its forward (weight group; zeropp: world, then node
 from the secondary copy), released after it, gathered again before its backward, and its summed
 gradient reduce-scattered down the ladder (weight group, stride group) into an fp32 1/g accumulator.
-At the step boundary the accumulator is reduce-scattered across the cross group, all-reduced across
+At the step boundary the accumulator is reduce-scattered across the cross group (or, with
+``cross_node_reduction="all_reduce"``, the paper's, all-reduced there and sliced), all-reduced across
 replicas, clipped with the global norm, AdamW updates the fp32 1/os master slice, and the new
 weights climb back (cross, stride) into the 1/w weight chunk.
 
@@ -59,6 +60,7 @@ LossFn = Callable[[nn.Module, dict], torch.Tensor]
 # materialize(unit_index, unit): give the unit's parameters storage and their initial values (on any
 # device; the FlatUnit copies what this rank keeps to the engine's device, then drops them).
 Materialize = Callable[[int, nn.Module], None]
+CROSS_NODE_REDUCTIONS = ("reduce_scatter", "all_reduce")  # zero_optimization.cross_node_reduction
 COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                   "bf16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -69,6 +71,7 @@ class ZeroTopoEngine:
     def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
                  preset: Optional[str] = None, *, fp32_allreduce: bool = False,
+                 cross_node_reduction: str = "reduce_scatter",
                  quant: Optional[QuantSettings] = None, prefetch: bool = True,
                  device: Optional[torch.device] = None, materialize: Optional[Materialize] = None,
                  loss_scaling: Optional[LossScaleSettings] = None, overlap_reduce: bool = True,
@@ -101,6 +104,11 @@ class ZeroTopoEngine:
         if not (math.isfinite(self.predivide) and self.predivide > 0):
             raise EngineError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor}")
         self.quant = quant or QuantSettings()
+        if cross_node_reduction not in CROSS_NODE_REDUCTIONS or (
+                cross_node_reduction == "all_reduce" and (self.quant.cross_bits or self.hpz)):
+            raise EngineError(f"zero_optimization.cross_node_reduction {cross_node_reduction!r}: use reduce_scatter, "
+                              "or all_reduce (unquantized: cross_node_grad_bits 0; not with zeropp, no cross group)")
+        self.cross_node_reduction = cross_node_reduction
         self.step_count = 0            # optimizer steps taken (AdamW's t)
         self.micro_count = 0           # micro-batches since the last optimizer step
         self._in_backward = False      # inside our own backward(): a unit forward is a recompute
@@ -325,13 +333,6 @@ class ZeroTopoEngine:
                                      [dtype for _, dtype in hops])
             self.reductions.submit(chain, len(hops), lambda out, a=a, b=b: unit.grad_accum[a:b].add_(out))
 
-    def _reduce_scatter(self, buf: torch.Tensor, group: RankGroup, phase: str) -> torch.Tensor:
-        if group.size == 1:
-            return buf
-        out = torch.empty(buf.numel() // group.size, dtype=buf.dtype, device=buf.device)
-        self.comm.reduce_scatter(out, buf, group, phase)
-        return out
-
     def _gather_up(self, chunk: torch.Tensor, groups: list[RankGroup], phase: str,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """All-gather ``chunk`` up the listed groups (each result feeds the next); the last lands in ``out``."""
@@ -355,7 +356,14 @@ class ZeroTopoEngine:
             grad = self.qcomm.reduce(grad, [(cross, unit.residuals.get("cross"))], "cross_grad_reduce",
                                      self.quant.cross_bits, residual_scale=self.backward_scale)
         elif cross.size > 1:
-            grad = self._reduce_scatter(grad.to(self.boundary_dtype), cross, "cross_grad_reduce")
+            grad = grad.to(self.boundary_dtype)  # fp32: the accumulator itself, no copy
+            if self.cross_node_reduction == "all_reduce":  # the paper's: every member sums all of S/g, in
+                self.comm.all_reduce(grad, cross, "cross_grad_reduce")  # place (the accumulator is zeroed after)
+                grad = grad.view(cross.size, -1)[cross.index(self.groups.rank)]  # the reduce-scatter's chunk
+            else:
+                out = torch.empty(grad.numel() // cross.size, dtype=grad.dtype, device=grad.device)
+                self.comm.reduce_scatter(out, grad, cross, "cross_grad_reduce")
+                grad = out
         if replica.size > 1:
             grad = grad.to(self.boundary_dtype)
             self.comm.all_reduce(grad, replica, "replica_allreduce")

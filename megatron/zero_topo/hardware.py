@@ -1,24 +1,35 @@
 """The figures the step-time model reads (docs/time_model.md, "The figures"): per-tier links,
-per-algorithm links a probe measured, and the device. From a ``Topology``'s tiers and the device
-table, overridden by a link probe file (tools/probe_links.py, format ``PROBE_FORMAT``).
+per-algorithm links a probe measured, per-(algorithm, group shape) latency-bandwidth curves, and
+the device. From a ``Topology``'s tiers and the device table (the ``nominal`` figure set), or a
+published figure set (``megatron.zero_topo.figure_sets``: ``frontier-measured``), overridden by a
+link probe file (tools/probe_links.py, format ``PROBE_FORMAT``).
+
+Two ways a collective's time is read, in this order (``Hardware.curve``):
+- a curve for its (algorithm, shape): the bandwidth of the busiest domain of the slowest tier the
+  group spans, as a function of the bytes one algorithm step moves (B / k), as measured with every
+  group of the kind running at once; the shape says what decides the rate: ``pair`` (one GPU's
+  GCDs), ``node`` (one node), ``cross`` (one rank on each of several nodes, as ZeRO-topo's cross
+  groups and qgZ's rail groups: the node's ranks side by side share its NICs) and ``world`` (several
+  ranks on each of several nodes: one ring through every node);
+- else the tier figures (``links``, ``algorithm_links``): steps x latency + bytes / bandwidth.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
 from megatron.zero_topo.comm_model import CommModelError
 
+from megatron.zero_topo.algorithms import (  # noqa: F401  (the figures' vocabulary, re-exported)
+    ALGORITHMS, ALL_TO_ALL_SUM, BACKENDS, FALLBACK, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
+    RING_REDUCE_SCATTER)
+
 PROBE_FORMAT = "neox-topo-link-probe/1"
-# Algorithms (what runs on the wire) and the probe's fallbacks when one was not measured.
-RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE = "ring_allgather", "ring_reduce_scatter", "ring_allreduce"
-PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM = "all_to_all", "all_to_all_sum"
-ALGORITHMS = (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE, PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM)
-FALLBACK = {RING_REDUCE_SCATTER: RING_ALLGATHER, RING_ALLREDUCE: RING_ALLGATHER, ALL_TO_ALL_SUM: PAIRWISE_ALL_TO_ALL}
-BACKENDS = ("nccl", "gloo")
+SHAPES = ("pair", "node", "cross", "world")
 
 
 @dataclass(frozen=True)
@@ -28,6 +39,57 @@ class TierLink:
     """Bytes per second into (or out of) one domain through this tier."""
     latency_s: float
     """Seconds per algorithm step over this tier."""
+
+
+@dataclass(frozen=True)
+class LinkCurve:
+    """An algorithm's rate in one group shape against the bytes one of its steps moves.
+
+    ``points`` are (step bytes, bytes per second through the busiest domain of the slowest tier the
+    group spans: a node when the shape spans nodes, else a rank), ascending; between two points the
+    rate is interpolated on log-log axes; above the last point it stays at the last rate, and a step
+    smaller than the first point's takes as long as that step did (a latency floor). A rate
+    measured end to end (a benchmark's bus bandwidth) already holds the per-step latency, so
+    ``latency_s`` is 0 for such curves; a curve built from a link's bandwidth adds its latency per step.
+    """
+    points: tuple
+    latency_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        pts = tuple((float(c), float(r)) for c, r in self.points)
+        if not pts or any(c <= 0 or r <= 0 for c, r in pts) or any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+            raise CommModelError(f"a link curve needs positive (step bytes, bytes/s) points in ascending "
+                                 f"step bytes; got {self.points!r}")
+        if self.latency_s < 0:
+            raise CommModelError(f"a link curve's latency must be >= 0; got {self.latency_s}")
+        object.__setattr__(self, "points", pts)
+
+    def bandwidth(self, step_bytes: float) -> float:
+        pts = self.points
+        if step_bytes <= pts[0][0]:  # no faster per step than the smallest step measured
+            return pts[0][1] * step_bytes / pts[0][0]
+        for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+            if step_bytes <= c1:
+                t = math.log(step_bytes / c0) / math.log(c1 / c0)
+                return math.exp(math.log(r0) + t * math.log(r1 / r0))
+        return pts[-1][1]
+
+    def scaled(self, factor: float, lo: float = 0.0, hi: float = math.inf) -> "LinkCurve":
+        """The rates between step bytes ``lo`` and ``hi`` multiplied by ``factor`` (sensitivity runs)."""
+        return LinkCurve(tuple((c, r * factor if lo <= c <= hi else r) for c, r in self.points),
+                         self.latency_s, self.source + f" (x {factor:g})")
+
+
+def group_shape(ranks, layout: tuple) -> str:
+    """Which of SHAPES a group of ranks is on a layout (slowest tier first)."""
+    per_node = math.prod(layout[1:])
+    nodes = {r // per_node for r in ranks}
+    if len(nodes) > 1:
+        return "cross" if len(nodes) == len(ranks) else "world"
+    if len(layout) == 3 and len({r // layout[-1] for r in ranks}) == 1:
+        return "pair"
+    return "node"
 
 
 @dataclass(frozen=True)
@@ -47,6 +109,8 @@ class Device:
     overlap_by_tier: Mapping = field(default_factory=dict)
     """{tier: efficiency} where a tier's transfers hide differently (a probe: on a CPU, a slow
     NIC's transfer waits in the kernel and hides, a loopback copy takes the same cores and does not)."""
+    copy_bytes_per_s: float = 0.0
+    """Bytes per second a local copy moves (read + write: HBM bandwidth / 2); 0 = copies not counted."""
 
     def overlap(self, tier: Optional[str]) -> float:
         return self.overlap_by_tier.get(tier, self.overlap_efficiency)
@@ -64,12 +128,13 @@ DEVICES = {
     # MI250X GCD: 191.5 TFLOP/s bf16 dense, 64 GB HBM2E at 1.6 TB/s (OLCF Frontier user guide).
     # Achieved compute: 35% of peak assumed for a 10-20B GPT in bf16 (not measured: no MI250X here);
     # RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
+    # A local copy reads and writes each byte: half the HBM bandwidth.
     "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
-                         1.6e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 64e9),
+                         1.6e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 64e9, copy_bytes_per_s=1.6e12 / 2),
     # H100 SXM: 989 TFLOP/s bf16 dense (the H200's compute), 80 GB HBM3 at 3.35 TB/s; 50% achieved
     # as measured on the H200.
     "h100": Device("h100", 0.50 * 989e12, 3.35e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
-                   3.35e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 80e9),
+                   3.35e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 80e9, copy_bytes_per_s=3.35e12 / 2),
 }
 DEVICE_OF_TOPOLOGY = {"dgx": "h100"}  # every other topology (frontier, sim..., slurm...) has Frontier's figures
 
@@ -84,11 +149,19 @@ class Hardware:
     algorithm_links: Mapping = field(default_factory=dict)
     """{(algorithm, tier): TierLink} measured per algorithm (a probe); else FALLBACK, else ``links``."""
     source: str = "preset"
-    """Where the figures come from, for the logs: "preset <name>" or "probe <path>"."""
+    """Where the figures come from, for the logs: "<figure set> (...)" or "probe <path>"."""
+    curves: Mapping = field(default_factory=dict)
+    """{(algorithm, shape): LinkCurve}: read before the tier figures (module docstring)."""
+    figure_set: str = "nominal"
+    """The figure set these figures start from (FIGURE_SETS); a probe keeps the name it overrides."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise CommModelError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        for algorithm, shape in self.curves:
+            if algorithm not in ALGORITHMS or shape not in SHAPES:
+                raise CommModelError(f"a link curve must be keyed by one of {', '.join(ALGORITHMS)} and one of "
+                                     f"{', '.join(SHAPES)}; got {(algorithm, shape)!r}")
 
     def link(self, algorithm: str, tier: str) -> TierLink:
         """The figures an algorithm sees on a tier: its own, its fallback's, else the tier's."""
@@ -99,19 +172,40 @@ class Hardware:
             raise CommModelError(f"hardware ({self.source}) has no figures for tier {tier}")
         return self.links[tier]
 
+    def curve(self, algorithm: str, shape: str) -> Optional[LinkCurve]:
+        """The curve of (algorithm, shape), else of (its fallback, shape), else None (tier figures)."""
+        for name in (algorithm, FALLBACK.get(algorithm)):
+            if (name, shape) in self.curves:
+                return self.curves[(name, shape)]
+        return None
+
     @classmethod
-    def from_topology(cls, topology, device: Optional[str] = None, backend: str = "nccl") -> "Hardware":
-        """Link figures from a ``Topology``'s tiers (bandwidth x links per domain), the device by name
-        (default: the topology's, DEVICE_OF_TOPOLOGY)."""
+    def from_topology(cls, topology, device: Optional[str] = None, backend: str = "nccl",
+                      figures: str = "nominal") -> "Hardware":
+        """Figures for a ``Topology``: ``nominal`` = its tiers (bandwidth x links per domain) and the
+        device by name (default: the topology's, DEVICE_OF_TOPOLOGY); any other name in FIGURE_SETS
+        starts from those and replaces what that set measured (curves, device rates)."""
         links = {t.name: TierLink(t.bandwidth_gbs * 1e9 * t.links, t.latency_us * 1e-6) for t in topology.tiers}
         name = device or DEVICE_OF_TOPOLOGY.get(topology.name, "mi250x_gcd")
         if name not in DEVICES:
             raise CommModelError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-        return cls(links, DEVICES[name], backend, source=f"preset {topology.name}/{name}")
+        hw = cls(links, DEVICES[name], backend, source=f"nominal (preset {topology.name}/{name})")
+        return hw if figures == "nominal" else hw.with_figure_set(figures)
+
+    def with_figure_set(self, name: str) -> "Hardware":
+        """These figures with a published set's curves and device rates in place (FIGURE_SETS)."""
+        from megatron.zero_topo.figure_sets import FIGURE_SETS
+        if name not in FIGURE_SETS:
+            raise CommModelError(f"unknown figure set {name!r}; choose one of nominal, {', '.join(FIGURE_SETS)}")
+        published = FIGURE_SETS[name]
+        device = dataclasses.replace(self.device, name=f"{self.device.name}+{name}", **published.device_rates)
+        return dataclasses.replace(self, device=device, curves={**self.curves, **published.curves},
+                                   source=f"{name} ({published.summary})", figure_set=name)
 
     def with_probe(self, probe, path: str = "probe") -> "Hardware":
         """These figures overridden by a probe (a dict in PROBE_FORMAT, or a path to one): per tier,
-        per (algorithm, tier), the device's rates and the backend; what the probe lacks stays."""
+        per (algorithm, tier), per (algorithm, shape) curve, the device's rates and the backend; what
+        the probe lacks stays."""
         data = read_probe(probe) if isinstance(probe, (str, Path)) else probe
         if data.get("format") != PROBE_FORMAT:
             raise CommModelError(f"{path}: not a link probe (format {data.get('format')!r}, expected {PROBE_FORMAT})")
@@ -119,9 +213,13 @@ class Hardware:
         links.update({tier: tier_link(v, path) for tier, v in data.get("tiers", {}).items()})
         measured = dict(self.algorithm_links)
         for algorithm, per_tier in data.get("algorithms", {}).items():
-            if algorithm not in ALGORITHMS:
-                raise CommModelError(f"{path}: unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+            _check_algorithm(algorithm, path)
             measured.update({(algorithm, tier): tier_link(v, path) for tier, v in per_tier.items()})
+        curves = dict(self.curves)
+        for algorithm, per_shape in data.get("curves", {}).items():
+            _check_algorithm(algorithm, path)
+            for shape, entry in per_shape.items():
+                curves[(algorithm, shape)] = probe_curve(entry, shape, path)
         device = self.device
         given = data.get("device", {})
         rates = {k: float(v) for k, v in given.items() if k in _DEVICE_RATES}
@@ -129,11 +227,29 @@ class Hardware:
             rates["overlap_by_tier"] = {tier: _fraction(v, path) for tier, v in given["overlap_by_tier"].items()}
         if rates:
             device = dataclasses.replace(device, name=f"{device.name}+probe", **rates)
-        return Hardware(links, device, data.get("backend", self.backend), measured, source=f"probe {path}")
+        return Hardware(links, device, data.get("backend", self.backend), measured,
+                        source=f"probe {path} on {self.figure_set}", curves=curves, figure_set=self.figure_set)
+
+
+def _check_algorithm(algorithm: str, path: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise CommModelError(f"{path}: unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+
+def probe_curve(entry: Mapping, shape: str, path: str) -> LinkCurve:
+    """{points: [[step bytes, GB/s], ...], latency_us} as the probe writes it."""
+    if shape not in SHAPES:
+        raise CommModelError(f"{path}: unknown group shape {shape!r}; expected one of {', '.join(SHAPES)}")
+    try:
+        points = tuple((float(c), float(gbs) * 1e9) for c, gbs in entry["points"])
+        latency = float(entry.get("latency_us", 0.0)) * 1e-6
+    except (KeyError, TypeError, ValueError):
+        raise CommModelError(f"{path}: a curve needs points [[step bytes, GB/s], ...]; got {entry!r}") from None
+    return LinkCurve(points, latency, source=f"probe {path}")
 
 
 _DEVICE_RATES = ("achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s",
-                 "overlap_efficiency", "memory_bytes")
+                 "overlap_efficiency", "memory_bytes", "copy_bytes_per_s")
 
 
 def _fraction(value, path: str) -> float:

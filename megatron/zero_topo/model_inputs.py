@@ -46,6 +46,7 @@ def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
                     compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),
+                    cross_node_reduction=cfg.zero.cross_node_reduction,
                     reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
@@ -81,13 +82,34 @@ def backend_of(cfg) -> str:
     return "gloo" if on_cpu else "nccl"
 
 
+def figure_set_of(cfg) -> str:
+    """The figure set the step-time model starts from: topology.figure_set, where auto is
+    frontier-measured on a Frontier topology (published measurements beat nominal link speeds) and
+    nominal elsewhere."""
+    chosen = cfg.topology.figure_set
+    if chosen != "auto":
+        return chosen
+    return "frontier-measured" if cfg.topology.preset == "frontier" else "nominal"
+
+
 def hardware_from_config(cfg, world_size: Optional[int] = None):
     """The time model's figures for the configured run: the topology's tiers and device
-    (``Hardware.from_topology``), overridden by ``topology.link_figures`` (a probe file) when set."""
+    (``Hardware.from_topology``) under ``figure_set_of(cfg)``, overridden by ``topology.link_figures``
+    (a probe file) when set."""
     from megatron.config import world_size_of
     from megatron.topology import Topology
     from megatron.zero_topo.hardware import Hardware
     topology = Topology.from_config(cfg, world_size or world_size_of(cfg))
-    hw = Hardware.from_topology(topology, backend=backend_of(cfg))
+    hw = Hardware.from_topology(topology, backend=backend_of(cfg), figures=figure_set_of(cfg))
     probe = cfg.topology.link_figures
     return hw.with_probe(probe, path=probe) if probe else hw
+
+
+def figures_note(cfg) -> Optional[str]:
+    """One line when the figures are a published set chosen for the user (auto on Frontier, no
+    probe): what they are and how to replace them with the allocation's own."""
+    if cfg.topology.link_figures or cfg.topology.figure_set != "auto" or figure_set_of(cfg) == "nominal":
+        return None
+    return ("figures: frontier-measured (a Frontier topology and no probe file: published RCCL measurements on "
+            "MI250X + Slingshot-11, docs/frontier-model.md); measure this allocation with tools/probe_links.py "
+            "and set topology.link_figures to use its own")

@@ -16,6 +16,7 @@ from megatron.topology import ProcessGroups, ShardLayout, Topology, TopologyErro
 from megatron.topology.layout import tiers_of
 from megatron.zero_topo.comm import Communicator
 from megatron.zero_topo.engine import Materialize, ZeroTopoEngine
+from megatron.zero_topo.model_inputs import figures_note
 from megatron.zero_topo.planner import planned_config
 from megatron.zero_topo.quantized import QuantSettings
 
@@ -37,6 +38,9 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     groups = ProcessGroups.build(topology, layout.factors)
     if plan is not None:
         log_print(f"zero_optimization.plan auto chose {plan.reason()}", groups.rank)
+        note = figures_note(cfg)
+        if note:
+            log_print(note, groups.rank)
     device = device or next(model.parameters()).device
     comm = Communicator(groups, device=device)
     if quant.enabled:
@@ -45,6 +49,7 @@ def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int
     engine = ZeroTopoEngine(model, units if units is not None else model.units(), loss_fn, cfg.optimizer,
                           cfg.precision.precision, groups, comm, accumulation, preset=layout.preset,
                           fp32_allreduce=bool(cfg.precision.fp32_allreduce), quant=quant,
+                          cross_node_reduction=zero.cross_node_reduction,
                           prefetch=bool(zero.prefetch_gathers), device=device, materialize=materialize,
                           loss_scaling=LossScaleSettings.from_config(cfg.precision),
                           overlap_reduce=bool(zero.overlap_comm), reduce_bucket_elements=int(zero.reduce_bucket_size),

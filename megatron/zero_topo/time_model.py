@@ -11,6 +11,10 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   Its time is ``steps x latency`` of the slowest tier it spans plus, for the most loaded tier, the
   bytes crossing the busiest *domain* of that tier over the domain's bandwidth. The domain of
   ``inter_node`` is a node (its NICs are shared by all its ranks); of the in-node tiers, a rank.
+  Where the figures hold a curve for the collective's (algorithm, group shape) (``hardware``:
+  measured or published rates against the bytes of one step), the time is instead the curve's
+  ``steps x latency`` plus the bytes through the busiest domain of the slowest tier spanned over
+  the curve's rate at B / k bytes per step.
   Quantized collectives add their kernels' time (quantize + dequantize) at the device's rate.
 - Compute. Model FLOPs of each unit (forward; backward twice that; a recompute under activation
   checkpointing once more) over the device's *achieved* FLOP/s, and the AdamW update of this rank's
@@ -40,8 +44,9 @@ from typing import Mapping, Optional, Sequence
 from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
                                            Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
                                            step_collectives, tier_between)
+from megatron.zero_topo.algorithms import AlgorithmError, collective_algorithm
 from megatron.zero_topo.hardware import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
-                                         RING_REDUCE_SCATTER, Device, Hardware)
+                                         RING_REDUCE_SCATTER, Device, Hardware, group_shape)
 
 GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather")
 BOUNDARY_PHASES = ("cross_grad_reduce", "replica_allreduce", "refresh", "control")
@@ -57,17 +62,11 @@ def spans_one_tier(ranks: Sequence[int], layout: tuple) -> bool:
 
 
 def algorithm_of(op: str, ranks: Sequence[int], layout: tuple, backend: str) -> str:
-    if op == ALLGATHER:
-        return RING_ALLGATHER
-    if op == ALLREDUCE:
-        return RING_ALLREDUCE
-    if op == ALL_TO_ALL:
-        return PAIRWISE_ALL_TO_ALL
-    if op == REDUCE_SCATTER:
-        if backend == "gloo" and spans_one_tier(ranks, layout):
-            return ALL_TO_ALL_SUM
-        return RING_REDUCE_SCATTER
-    raise CommModelError(f"unknown collective op {op!r}")
+    """The algorithm the engine's Communicator runs for ``op`` in this group (algorithms.py: one choice)."""
+    try:
+        return collective_algorithm(op, backend, spans_one_tier(ranks, layout))
+    except AlgorithmError as err:
+        raise CommModelError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,8 @@ class Footprint:
     domain_load: dict
     """{tier: bytes per byte of B through the busiest domain of the tier (in or out, whichever is more)}."""
     slowest_tier: Optional[str]
+    shape: str = "node"
+    """The groups' shape (``hardware.group_shape``): which curve of the figures applies."""
 
 
 def footprint(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> Footprint:
@@ -91,7 +92,7 @@ def footprint(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) ->
     load = {t: max(max(out[t].values(), default=0.0), max(into[t].values(), default=0.0)) for t in tiers}
     spanned = [t for t in tiers if load[t] > 0]
     steps = (2 if algorithm == RING_ALLREDUCE else 1) * (k - 1)
-    return Footprint(algorithm, k, steps, load, spanned[0] if spanned else None)
+    return Footprint(algorithm, k, steps, load, spanned[0] if spanned else None, group_shape(groups[0], layout))
 
 
 def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tuple[dict, dict]:
@@ -175,8 +176,14 @@ def _kind_sent_by_tier(layout: tuple, factors: tuple, kind: str, op: str) -> dic
 def ledger_bytes_by_tier(spec: CommSpec) -> dict:
     """{tier: bytes all ranks send per step}: ``bytes_by_tier(predict_ledger(spec))`` without the
     rank-by-rank walk (a world all-to-all at 384 ranks is 147k pairs per collective), for the planner."""
+    return collectives_bytes_by_tier(spec)
+
+
+def collectives_bytes_by_tier(spec: CommSpec, collectives: Optional[list] = None) -> dict:
+    """{tier: bytes all ranks send per step} of ``collectives`` (default: the engine's for ``spec``;
+    another library's list, deepspeed_model.py, on the spec's groups) under the ledger's rule."""
     out: dict = {}
-    for col in step_collectives(spec):
+    for col in step_collectives(spec) if collectives is None else collectives:
         for tier, share in _kind_sent_by_tier(spec.layout, spec.resolved_factors(), col.group, col.op).items():
             out[tier] = out.get(tier, 0.0) + share * col.nbytes * col.count
     return out
@@ -184,9 +191,14 @@ def ledger_bytes_by_tier(spec: CommSpec) -> dict:
 
 def footprint_time_s(fp: Footprint, nbytes: float, hw: Hardware) -> float:
     """One run of the algorithm on a B-byte buffer: steps x the slowest tier's latency + the most
-    loaded tier's bytes over its bandwidth."""
+    loaded tier's bytes over its bandwidth; or, with a curve for its (algorithm, shape), steps x the
+    curve's latency + the slowest tier's bytes over the curve's rate at B / k bytes per step."""
     if fp.k == 1 or fp.slowest_tier is None:
         return 0.0
+    curve = hw.curve(fp.algorithm, fp.shape)
+    if curve is not None:
+        return (fp.steps * curve.latency_s
+                + nbytes * fp.domain_load[fp.slowest_tier] / curve.bandwidth(nbytes / fp.k))
     bandwidth_s = max(nbytes * load / hw.link(fp.algorithm, tier).bandwidth
                       for tier, load in fp.domain_load.items() if load > 0)
     return fp.steps * hw.link(fp.algorithm, fp.slowest_tier).latency_s + bandwidth_s
@@ -209,8 +221,19 @@ def transfer_of(col: Collective, spec: CommSpec, hw: Hardware) -> Transfer:
     fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
     if fp.k == 1:
         return Transfer(col.phase, 0.0, 0.0, None)
-    kernel = quantized_elements(col, spec, fp.k) / hw.device.quantize_elements_per_s if col.bits else 0.0
-    return Transfer(col.phase, footprint_time_s(fp, col.nbytes, hw), kernel, fp.slowest_tier)
+    return Transfer(col.phase, footprint_time_s(fp, col.nbytes, hw), local_work_s(col, spec, fp.k, hw),
+                    fp.slowest_tier)
+
+
+def local_work_s(col: Collective, spec: CommSpec, k: int, hw: Hardware) -> float:
+    """The device's own work for one run of ``col``: its quantization kernels and its local copies."""
+    elements = col.kernel_elements
+    if elements is None:
+        elements = quantized_elements(col, spec, k) if col.bits else 0.0
+    seconds = elements / hw.device.quantize_elements_per_s if elements else 0.0
+    if col.copy_bytes and hw.device.copy_bytes_per_s:
+        seconds += col.copy_bytes / hw.device.copy_bytes_per_s
+    return seconds
 
 
 def collective_time_s(col: Collective, spec: CommSpec, hw: Hardware) -> float:
@@ -294,16 +317,17 @@ class _Timeline:
             self.add(t.phase, t.wire_s - (hidden * h / can if can else 0.0) + t.kernel_s)
 
 
-def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
+def step_time(spec: CommSpec, hw: Hardware, work: StepWork, collectives: Optional[list] = None) -> StepTime:
     """The predicted step (module docstring): per micro-batch, forward then backward unit by unit
-    with the engine's overlap, then the step boundary."""
+    with the engine's overlap, then the step boundary. ``collectives``: another library's list for
+    the same spec (deepspeed_model.py), scheduled the same way; default the engine's (comm_model)."""
     missing = set(spec.tiers) - set(hw.links)
     if missing:
         raise CommModelError(f"hardware ({hw.source}) has no figures for tiers {sorted(missing)}")
     units, a = len(spec.unit_numels), spec.micro_batches
     if len(work.unit_flops_per_token) != units:
         raise CommModelError(f"{len(work.unit_flops_per_token)} unit FLOP counts for {units} units")
-    per_micro, boundary, comm_s, inter = _comm_by_slot(spec, hw)
+    per_micro, boundary, comm_s, inter = _comm_by_slot(spec, hw, collectives)
     rate = hw.device.achieved_flops
     fwd = [f * work.tokens_per_micro_batch / rate for f in work.unit_flops_per_token]
     prefetch = work.prefetch_gathers
@@ -340,13 +364,13 @@ def step_time(spec: CommSpec, hw: Hardware, work: StepWork) -> StepTime:
     return StepTime(line.exposed, comm_s, flops, inter)
 
 
-def _comm_by_slot(spec: CommSpec, hw: Hardware):
+def _comm_by_slot(spec: CommSpec, hw: Hardware, collectives: Optional[list] = None):
     """Transfers by (slot, unit, micro-batch) for the per-micro-batch phases (slot gather_f,
     gather_b, reduce), the step boundary's transfers, seconds by phase and the cross-node seconds."""
     per_micro: dict = {}
     boundary, totals, inter = [], {}, {}
     a = spec.micro_batches
-    for col in step_collectives(spec):
+    for col in step_collectives(spec) if collectives is None else collectives:
         once = transfer_of(col, spec, hw)
         seconds = col.count * (once.wire_s + once.kernel_s)
         if not seconds:
