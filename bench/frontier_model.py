@@ -352,22 +352,27 @@ def plot_tflops(rows: dict, args, path: Path) -> None:
 
 
 def plot_sensitivity(sens: list, path: Path, title: str) -> None:
+    """A tornado: per assumption, the ratio's range between its two settings (red: low, blue: high)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8.5, 0.5 * len(sens) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(sens) + 1.8))
     base = sens[0][1]
-    for i, (name, _b, lo, hi) in enumerate(reversed(sens)):
-        for (label, value), colour in ((lo, "tab:red"), (hi, "tab:blue")):
-            ax.barh(i, value - base, left=base, color=colour, alpha=0.7)
-            ax.text(value, i, f" {label}: {value:.2f} ", va="center", fontsize=7,
-                    ha="left" if value >= base else "right")
+    right = max(max(lo[1], hi[1]) for _, _, lo, hi in sens)
+    for i, (_name, _b, lo, hi) in enumerate(reversed(sens)):
+        ax.barh(i, max(lo[1], hi[1]) - min(lo[1], hi[1]), left=min(lo[1], hi[1]), color="lightgrey")
+        ax.plot([lo[1]], [i], "o", color="tab:red")
+        ax.plot([hi[1]], [i], "o", color="tab:blue")
+        ax.text(right * 1.02, i, f"{lo[0]}: {lo[1]:.2f}  |  {hi[0]}: {hi[1]:.2f}", va="center", fontsize=7)
     ax.set_yticks(range(len(sens)), [s[0] for s in reversed(sens)], fontsize=8)
-    ax.axvline(base, color="black", linewidth=0.8)
+    ax.axvline(base, color="black", linewidth=0.8, label=f"frontier-measured: {base:.2f}")
     ax.axvline(PAPER["ZeRO-topo / ZeRO++"], color="grey", linestyle="--", label="paper: 1.71")
-    ax.set_xlabel("predicted ZeRO-topo (paper's) / ZeRO++ (DeepSpeed) TFLOPS")
+    ax.set_xlim(min(0.7, min(min(lo[1], hi[1]) for _, _, lo, hi in sens) - 0.05), right * 1.9)
+    ax.plot([], [], "o", color="tab:red", label="low setting")
+    ax.plot([], [], "o", color="tab:blue", label="high setting")
+    ax.set_xlabel("predicted ZeRO-topo (the paper's) / ZeRO++ (DeepSpeed) TFLOPS")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -378,10 +383,10 @@ def write_sections(path: str, sections: dict) -> None:
     """Replace each ``<!-- frontier_model:NAME -->`` ... ``<!-- /frontier_model:NAME -->`` block."""
     text = Path(path).read_text()
     for name, body in sections.items():
-        pattern = re.compile(rf"(<!-- frontier_model:{name} -->\n).*?(\n<!-- /frontier_model:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- frontier_model:{name} -->\n)(?:.*?\n)?(<!-- /frontier_model:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"frontier_model: {path} has no <!-- frontier_model:{name} --> section")
-        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
     Path(path).write_text(text)
 
 

@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate", default="300mbit")
     p.add_argument("--overlap", choices=("on", "off"), default="on", help="our overlap_comm (prefetch stays on)")
     p.add_argument("--probe-sizes-kb", type=int, nargs="+", default=[64, 1024, 8192])
+    p.add_argument("--probe-repeats", type=int, default=5, help="timed runs per probe point (the median is kept)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--from-json", help="run nothing: the table from an earlier results file")
     p.add_argument("--markdown", action="store_true")
@@ -77,7 +78,8 @@ def probe_layout(args, layout: str, workdir: Path) -> dict:
     out = workdir / f"probe_{layout}.json"
     model = [shape.num_layers, shape.hidden_size, shape.num_heads, shape.seq_length, shape.vocab, shape.micro_batch]
     inner = [sys.executable, str(REPO_ROOT / "tools" / "probe_links.py"), "--layout", *map(str, tiers),
-             "--out", str(out), "--model", *map(str, model), "--sizes-kb", *map(str, args.probe_sizes_kb)]
+             "--out", str(out), "--model", *map(str, model), "--sizes-kb", *map(str, args.probe_sizes_kb),
+             "--repeats", str(args.probe_repeats)]
     cmd = [sys.executable, str(compare_peers.TOOL), "--nodes", str(tiers[0]), "--ranks-per-node",
            str(shape.ranks_per_node), "--rate", args.rate, "--prefix", "nxprb", "--timeout-s",
            str(args.launch_timeout), "--command", shlex.join(inner)]
@@ -152,20 +154,28 @@ def write(path, results) -> None:
 
 
 def probe_markdown(results: dict) -> str:
-    """The figures each layout's probe measured (what the predictions used)."""
-    lines = ["| layout | algorithm | tier | bandwidth MB/s | latency us |", "|---|---|---|---|---|"]
+    """The figures each layout's probe measured (what the predictions used): per-shape curves (read
+    first), per-tier fits, the device."""
+    lines = ["| layout | algorithm | shape | group (k) | MB/s at the step bytes |", "|---|---|---|---|---|"]
+    for layout, probe in results.get("probes", {}).items():
+        for algorithm, per_shape in sorted(probe.get("curves", {}).items()):
+            for shape, curve in sorted(per_shape.items()):
+                points = ", ".join(f"{rate * 1e3:,.1f} at {step / 1024:,.0f} KiB" for step, rate in curve["points"])
+                lines.append(f"| {layout} | {algorithm} | {shape} | {curve['group']} ({curve['k']}) | {points} |")
+    lines += ["", "| layout | algorithm | tier | bandwidth MB/s | latency us |", "|---|---|---|---|---|"]
     for layout, probe in results.get("probes", {}).items():
         for algorithm, per_tier in sorted(probe["algorithms"].items()):
             for tier, fig in per_tier.items():
                 lines.append(f"| {layout} | {algorithm} | {tier} | {fig['bandwidth_gbs'] * 1e3:,.1f} | "
                              f"{fig['latency_us']:,.0f} |")
-    lines += ["", "| layout | achieved GFLOP/s per rank | AdamW M elements/s | quantize M elements/s | "
-              "overlap by tier |", "|---|---|---|---|---|"]
+    lines += ["", "| layout | achieved GFLOP/s per rank | AdamW M elements/s | quantize M elements/s | copy MB/s | "
+              "overlap by tier |", "|---|---|---|---|---|---|"]
     for layout, probe in results.get("probes", {}).items():
         d = probe["device"]
         overlap = ", ".join(f"{t} {e:.2f}" for t, e in d.get("overlap_by_tier", {}).items())
+        copy = f"{d['copy_bytes_per_s'] / 1e6:,.0f}" if "copy_bytes_per_s" in d else "-"
         lines.append(f"| {layout} | {d['achieved_flops'] / 1e9:.1f} | {d['optimizer_elements_per_s'] / 1e6:.1f} | "
-                     f"{d['quantize_elements_per_s'] / 1e6:.1f} | {overlap} |")
+                     f"{d['quantize_elements_per_s'] / 1e6:.1f} | {copy} | {overlap} |")
     return "\n".join(lines)
 
 

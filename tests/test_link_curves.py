@@ -197,3 +197,22 @@ def test_a_bucketed_zero3_step_by_hand():
 def test_the_deepspeed_model_describes_only_zero3_and_zeropp():
     with pytest.raises(CommModelError, match="ZeRO-3"):
         deepspeed_collectives(ds_spec("zero_topo"), SHAPES)
+
+
+def test_zeropp_pays_its_secondary_copy_and_its_swizzle():
+    # zeropp on 2 nodes x 2 (R = 2), three fp32 units of 400 elements, links infinitely fast, a local
+    # copy at 100 bytes/s: the step's first (world) gather of each unit keeps a secondary copy of
+    # S/R = 200 elements (800 bytes: 8 s); with qgZ the node hop first swizzles the S = 400-element
+    # gradient (1,600 bytes: 16 s). Kernels at 1e9 elements/s add nothing visible.
+    fast = LinkCurve(((1.0, 1e30),))
+    hw = curve_hardware({(a, shape): fast for a in (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE,
+                                                    PAIRWISE_ALL_TO_ALL)
+                         for shape in ("node", "cross", "world")})
+    hw = Hardware(hw.links, Device("toy", 1000.0, 100.0, 1e12, 0.0, 1e12, copy_bytes_per_s=100.0), "nccl",
+                  curves=hw.curves)
+    work = StepWork(10, (0.0, 0.0, 0.0), prefetch_gathers=False, overlap_comm=False)
+    plain = step_time(CommSpec((400, 400, 400), (2, 2), preset="zeropp"), hw, work)
+    assert plain.exposed_s["fwd_gather"] == pytest.approx(3 * 8.0, rel=1e-6)
+    quant = QuantSpec.from_settings(quantized_gradients=True, block_size=50)
+    qgz = step_time(CommSpec((400, 400, 400), (2, 2), preset="zeropp", quant=quant), hw, work)
+    assert qgz.exposed_s["grad_reduce"] == pytest.approx(3 * 16.0, rel=1e-3)

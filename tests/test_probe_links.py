@@ -59,7 +59,7 @@ def test_a_probe_on_one_device_gives_its_rates_and_keeps_the_presets_links(tmp_p
     assert data == json.loads(out.read_text()) and data["layout"] == [1, 1]
     assert data["tiers"] == {} and data["algorithms"] == {} and data["checks"] == [] and data["samples"] == []
     device = data["device"]
-    assert set(device) == {"achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s"}
+    assert set(device) == {"achieved_flops", "optimizer_elements_per_s", "quantize_elements_per_s", "copy_bytes_per_s"}
     assert all(v > 0 and math.isfinite(v) for v in device.values())
     topology = __import__("megatron.topology", fromlist=["Topology"]).Topology.simulated((2, 2))
     preset = Hardware.from_topology(topology, backend="nccl")

@@ -19,7 +19,7 @@ a curve per (algorithm, group shape) (``hardware.LinkCurve``: the domain's rate 
 one algorithm step), which the time model reads before the tier figures, so a probe of an allocation
 replaces a published figure set (frontier-measured) with the machine's own. Then, with every rank at once: the
 model's forward + backward (achieved FLOP/s), the AdamW update (elements/s), a quantize +
-dequantize (elements/s), and per tier the overlap efficiency (an all-gather in the tier's band
+dequantize (elements/s), a local copy (bytes/s), and per tier the overlap efficiency (an all-gather in the tier's band
 groups issued before a forward + backward: the share of min(compute, communication) that
 disappeared). Last, the world and
 node groups' all-gather and reduce-scatter are timed and set beside the fitted model's prediction
@@ -249,15 +249,17 @@ class Probe:
             codes, scales = quantizer.quantize(x, bits=8, block=256)
             quantizer.dequantize(codes, scales, bits=8, block=256, numel=x.numel(), dtype=torch.float32)
         quant_s = self.timed_all(quantize_round_trip, self.args.repeats)
+        copy_s = self.timed_all(lambda: bufs[0].clone(), self.args.repeats)  # a local copy (swizzle, secondary)
         by_tier = self.overlap_efficiency(model, tokens, compute_s, fits.get("ring_allgather", {}))
         figures = {"achieved_flops": flops / compute_s, "optimizer_elements_per_s": n / adam_s,
-                   "quantize_elements_per_s": x.numel() / quant_s}
+                   "quantize_elements_per_s": x.numel() / quant_s, "copy_bytes_per_s": n * 4 / copy_s}
         if by_tier:  # one device alone (--layout 1 1) has no link to overlap: the preset's share stays
             figures.update(overlap_efficiency=next(iter(by_tier.values())),  # the slowest tier's: the default
                            overlap_by_tier=by_tier)
         if self.device.type == "cuda":
             figures["memory_bytes"] = float(torch.cuda.get_device_properties(self.device).total_memory)
-        return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s}
+        return {"figures": figures, "compute_s": compute_s, "model_flops": flops, "adam_s": adam_s, "quant_s": quant_s,
+                "copy_s": copy_s}
 
     def overlap_efficiency(self, model, tokens, compute_s: float, gather_fits: dict) -> dict:
         """{tier: (Tc + Tm - Tboth) / min(Tc, Tm)} for an all-gather in the tier's band groups issued

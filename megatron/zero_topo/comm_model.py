@@ -18,6 +18,7 @@ block scales in one uint8 buffer), a quantized reduction hop is an all-to-all of
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -371,6 +372,11 @@ def _zeropp_collectives(spec: CommSpec) -> list:
     With quantized weights every gather moves packed messages (the node gathers: the secondary
     copies, each the packed message of S/R elements). With quantized gradients (qgZ) the world
     reduce-scatter becomes two all-to-alls: node group (input S), then same_local group (input S/R).
+
+    Local work the time model charges (``Collective.copy_bytes``): the world gather keeps the node's
+    secondary copy (a clone of S/R elements; quantized, its messages unpacked and packed again), and
+    qgZ's node hop first swizzles the gradient (a copy of S elements) so that the hop leaves each
+    local rank its chunk of every node.
     """
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
     n, r = spec.world_size, spec.ranks_per_node
@@ -383,10 +389,11 @@ def _zeropp_collectives(spec: CommSpec) -> list:
         # the last unit stays gathered from its forward to its backward: no backward gather
         later = {"eval_gather": e, "fwd_gather": a, backward_gather: a if u != len(sizes) - 1 else 0}
         later[first] -= 1
-        out.append(_gather(first, "world", s, n, c, wbits, b, 1, u))
+        secondary = 2 * packed_message_bytes(s // r, wbits, b) if wbits else s // r * c
+        out.append(dataclasses.replace(_gather(first, "world", s, n, c, wbits, b, 1, u), copy_bytes=secondary))
         out += [_gather(phase, "node", s, r, c, wbits, b, count, u) for phase, count in later.items() if count]
         if gbits:
-            out += [_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u),
+            out += [dataclasses.replace(_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u), copy_bytes=s * c),
                     _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a, u)]
         else:
             out.append(_reduce("grad_reduce", "world", s, n, gradient_hop_bytes("world", spec), 0, b, a, u))

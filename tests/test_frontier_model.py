@@ -1,0 +1,38 @@
+"""docs/frontier-model.md's tables are bench/frontier_model.py's output: rerun on a small grid (20B,
+frontier-measured, micro-batch 4, accumulation 1, every node count, the sensitivity), every row it
+prints must stand on the page as printed. A change to the model, the figures or the configs that
+moves a number fails here until the page is regenerated (the command is at the top of the page)."""
+from __future__ import annotations
+
+import re
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import frontier_model  # noqa: E402
+
+DOC = REPO / "docs" / "frontier-model.md"
+
+
+def _rows(text: str) -> list:
+    """Table body rows: '| ... |' lines that are neither a header (followed by '|---') nor a rule."""
+    lines = text.splitlines()
+    return [line for i, line in enumerate(lines) if line.startswith("| ") and not line.startswith("|---")
+            and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
+
+
+def test_the_page_holds_the_tools_output_for_a_small_grid(capsys):
+    code = frontier_model.main(["--models", "20B", "--micro-batches", "4", "--accumulation", "1",
+                                "--figures", "frontier-measured", "--png-dir", ""])
+    assert code == 0
+    printed = capsys.readouterr().out
+    sections = dict(re.findall(r"<!-- frontier_model:(\w+) -->\n(.*?)(?=\n\n<!-- frontier_model:|\Z)", printed, re.S))
+    assert set(sections) == set(frontier_model.MARKERS)
+    page = DOC.read_text()
+    for name, body in sections.items():
+        marked = re.search(rf"<!-- frontier_model:{name} -->\n(.*?)\n<!-- /frontier_model:{name} -->", page, re.S)
+        assert marked, f"docs/frontier-model.md has no {name} section"
+        missing = [row for row in _rows(body) if row not in marked.group(1).splitlines()]
+        assert not missing, f"{name}: rows not on the page (rerun the command at its top):\n" + "\n".join(missing[:5])
+
