@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/time_model.py --markdown                       # probe + every preset (as root)
     .venv/bin/python bench/time_model.py --from-json bench/results/time_model.json --markdown
+    .venv/bin/python bench/time_model.py --from-json bench/results/time_model.json --repredict --tier-figures-only --markdown
 
 One run: per layout (2x4 = tiers [2, 2, 2], 2x2), tools/probe_links.py on the emulated cluster at
 --rate (the link figures, the achieved FLOP/s of the benchmark's model with all ranks computing, the
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-repeats", type=int, default=5, help="timed runs per probe point (the median is kept)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--from-json", help="run nothing: the table from an earlier results file")
+    p.add_argument("--repredict", action="store_true",
+                   help="with --from-json: predict each row again with today's model on the file's probes")
+    p.add_argument("--tier-figures-only", action="store_true",
+                   help="with --repredict: drop the probes' curves (the model before them: per-tier fits only)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--launch-timeout", type=float, default=600)
     return p.parse_args(argv)
@@ -139,6 +144,18 @@ def run(args, argv) -> dict:
     return results
 
 
+def repredict(results: dict, tier_figures_only: bool = False) -> None:
+    """Each measured row predicted again on its layout's probe (without its curves if asked)."""
+    for row in results["rows"]:
+        if not row["ok"]:
+            continue
+        probe = dict(results["probes"][row["layout"]])
+        if tier_figures_only:
+            probe.pop("curves", None)
+        row.update(predict(row["key"], row["layout"], row["accumulation"], results["meta"]["overlap"], probe))
+        row["error"] = row["predicted_s"] / row["median_step_s"] - 1
+
+
 def _comm_revision() -> str:
     """The commit that last changed comm.py, and whether the working tree differs (the reduce-scatter)."""
     def git(*a):
@@ -208,6 +225,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
+        if args.repredict:
+            repredict(results, args.tier_figures_only)
     else:
         emu = compare_peers.load_emulator()
         problem = emu.environment_problem()
