@@ -398,8 +398,6 @@ def main(argv=None) -> int:
             for micro in args.micro_batches:
                 for acc in args.accumulation:
                     for n in sorted(args.nodes):
-                        if micro != args.paper_micro_batch and n not in (min(args.nodes), max(args.nodes)):
-                            continue  # the ratios need only the end points at the other micro-batches
                         for label in CONFIGS:
                             rows[(figures, model, label, n, micro, acc)] = predict(model, label, n, micro, acc,
                                                                                   figures, args.probe)
