@@ -101,17 +101,21 @@ def hardware(cfg, figures: str, probe=None, variant=None) -> Hardware:
     return variant(hw) if variant else hw
 
 
+def collectives_of(cfg, spec, label: str) -> list:
+    """The step's collectives of a configuration: DeepSpeed's, ours, or ours on DeepSpeed's schedule."""
+    whose = CONFIGS[label][2]
+    if whose == "deepspeed":
+        return deepspeed_collectives(spec, unit_parameter_shapes(cfg.model, padded_vocab_of(cfg)))
+    cols = step_collectives(spec)
+    return on_deepspeed_schedule(cols, spec.micro_batches) if whose == "deepspeed schedule" else cols
+
+
 def predict(model: str, label: str, nodes: int, micro: int, accumulation: int, figures: str, probe=None,
             variant=None, coalesced_baselines: bool = False) -> dict:
     cfg = config_for(model, label, nodes, micro, accumulation)
     vocab = padded_vocab_of(cfg)
     spec = comm_spec_from_config(cfg, vocab)
-    whose = CONFIGS[label][2]
-    cols = None
-    if whose == "deepspeed" and not coalesced_baselines:
-        cols = deepspeed_collectives(spec, unit_parameter_shapes(cfg.model, vocab))
-    elif whose == "deepspeed schedule":
-        cols = on_deepspeed_schedule(step_collectives(spec), spec.micro_batches)
+    cols = None if coalesced_baselines and CONFIGS[label][2] == "deepspeed" else collectives_of(cfg, spec, label)
     st = step_time(spec, hardware(cfg, figures, probe, variant), step_work_from_config(cfg, vocab), cols)
     acts = activation_bytes(cfg.model, vocab, micro, spec.compute_bytes)
     per_tier = collectives_bytes_by_tier(spec, cols)
@@ -183,16 +187,6 @@ def tflops_table(rows: dict, args) -> str:
                    f"step s ({last})", f"peak GB/GCD ({last})", f"inter-node GB/GCD ({last})"], out)
 
 
-def collectives_of(model: str, label: str, nodes: int, micro: int, accumulation: int) -> list:
-    """The step's collectives of a configuration: DeepSpeed's, ours, or ours on DeepSpeed's schedule."""
-    cfg = config_for(model, label, nodes, micro, accumulation)
-    vocab = padded_vocab_of(cfg)
-    spec = comm_spec_from_config(cfg, vocab)
-    whose = CONFIGS[label][2]
-    if whose == "deepspeed":
-        return deepspeed_collectives(spec, unit_parameter_shapes(cfg.model, vocab))
-    cols = step_collectives(spec)
-    return on_deepspeed_schedule(cols, spec.micro_batches) if whose == "deepspeed schedule" else cols
 
 
 def counts_table(args, model: str) -> str:
@@ -203,7 +197,7 @@ def counts_table(args, model: str) -> str:
         by: dict = {}
         cfg = config_for(model, label, last, micro, acc)
         spec = comm_spec_from_config(cfg, padded_vocab_of(cfg))
-        for c in collectives_of(model, label, last, micro, acc):
+        for c in collectives_of(cfg, spec, label):
             if c.phase == "control" or len(groups_of_kind(c.group, spec)[0]) == 1:
                 continue  # the trainer's scalars; a group of one rank sends nothing
             entry = by.setdefault((c.phase, c.op, c.group), [0, 0, None, 0])

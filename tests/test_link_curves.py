@@ -10,8 +10,8 @@ from megatron.topology import Topology
 from megatron.zero_topo.comm_model import ALL_TO_ALL, ALLGATHER, REDUCE_SCATTER, CommModelError, CommSpec, QuantSpec
 from megatron.zero_topo.deepspeed_model import DeepSpeedSettings, deepspeed_collectives
 from megatron.zero_topo.figure_sets import FIGURE_SETS, SOURCES, Assumptions, frontier_curves
-from megatron.zero_topo.hardware import (PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER,
-                                         Device, Hardware, LinkCurve, TierLink, group_shape)
+from megatron.zero_topo.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
+from megatron.zero_topo.hardware import Device, Hardware, LinkCurve, TierLink, group_shape
 from megatron.zero_topo.time_model import StepWork, footprint, footprint_time_s, step_time
 
 SLOW = {"inter_node": TierLink(1.0, 100.0), "intra_node": TierLink(1.0, 100.0), "intra_gpu": TierLink(1.0, 100.0)}

@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, CommModelError,
+from megatron.zero_topo.comm_model import (ALLGATHER, REDUCE_SCATTER, CommModelError,
                                            CommSpec, QuantSpec, bytes_by_tier, predict_ledger)
-from megatron.zero_topo.hardware import (ALL_TO_ALL_SUM, Device, Hardware, PROBE_FORMAT, RING_ALLGATHER,
-                                         RING_REDUCE_SCATTER, TierLink)
+from megatron.zero_topo.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
+from megatron.zero_topo.hardware import PROBE_FORMAT, Device, Hardware, TierLink
 from megatron.zero_topo.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
                                            footprint_time_s, ledger_bytes_by_tier, scaling_efficiency, step_time)
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron.config import ConfigError, load_config  # noqa: E402
 from megatron.topology import Topology  # noqa: E402
 from megatron.zero_topo.comm_model import CommModelError  # noqa: E402
+from megatron.zero_topo.figure_sets import FIGURE_SET_NAMES  # noqa: E402
 from megatron.zero_topo.model_inputs import figure_set_of, figures_note, padded_vocab_of, quant_spec_of  # noqa: E402
 from megatron.zero_topo.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
                                         search)
@@ -57,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", default="8", help="comma-separated node counts (frontier, dgx)")
     p.add_argument("--layout", type=int, nargs="+", help="sim: tier sizes, slowest first (e.g. 2 2 2)")
     p.add_argument("--memory-per-device", type=parse_size, default=None, help="budget, e.g. 64GB (default: the device's)")
-    p.add_argument("--figures", choices=("auto", "nominal", "frontier-measured"), default="auto",
+    p.add_argument("--figures", choices=("auto", *FIGURE_SET_NAMES), default="auto",
                    help="the figure set (docs/frontier-model.md); auto: frontier-measured on --topology frontier")
     p.add_argument("--probe", help="a link probe JSON (tools/probe_links.py) over the figure set")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: gloo for sim, else nccl")

@@ -180,8 +180,9 @@ class Probe:
             return name == "node"
         return name.startswith("band:") or name == "world"
 
-    def checks(self, fits: dict) -> list:
-        """The spanning groups timed, beside the fitted model's prediction."""
+    def checks(self, fits: dict, samples: list) -> list:
+        """The spanning groups timed (their samples from ``links`` where it took them), beside the
+        fitted model's prediction."""
         from megatron.zero_topo.hardware import Device, Hardware, tier_link
         from megatron.zero_topo.time_model import footprint_time_s
         tiers = dict(fits.get("ring_allgather", {}))
@@ -192,13 +193,16 @@ class Probe:
                       {(a, t): tier_link(v, "probe") for a, per in fits.items() for t, v in per.items()})
         out = []
         nbytes = self.args.sizes_kb[-1] * 1024
+        taken = {(x["group"], x["op"]): x["seconds"] for x in samples if x["bytes"] == nbytes}
         for name in ("node", "world"):
             if name not in self.kinds:
                 continue
             groups, mine = self.kinds[name]
             for op in ("all_gather", "reduce_scatter"):
                 algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
-                measured = self.time_op(op, mine, nbytes)
+                measured = taken.get((name, op))
+                if measured is None:
+                    measured = self.time_op(op, mine, nbytes)
                 predicted = footprint_time_s(footprint(groups, self.layout, algorithm), nbytes, hw)
                 out.append({"group": name, "op": op, "algorithm": algorithm, "bytes": nbytes,
                             "measured_s": measured, "predicted_s": predicted})
@@ -319,7 +323,7 @@ def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend
     probe = Probe(args, rank, device, backend)
     fits, curves, samples = probe.links()
     device_part = probe.device_figures(fits)
-    checks = probe.checks(fits)
+    checks = probe.checks(fits, samples)
     result = None
     if rank == 0:
         result = {"format": PROBE_FORMAT, "layout": list(args.layout), "backend": backend,

@@ -103,7 +103,7 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
-        backend = self.backend_for(inp)
+        backend = backend_of_device(inp.device.type)
         if collective_algorithm("reduce_scatter", backend, self._one_tier(group)) == ALL_TO_ALL_SUM:
             return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
@@ -111,11 +111,6 @@ class Communicator:
             return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
         self._ring_reduce_scatter(out, inp, group)
         return charges, Pending(None)
-
-    @staticmethod
-    def backend_for(t: torch.Tensor) -> str:
-        """The backend that moves ``t`` (algorithms.backend_of_device): what decides the algorithm."""
-        return backend_of_device(t.device.type)
 
     def _one_tier(self, group: RankGroup) -> bool:
         """Whether every pair of members talks over the same tier."""

@@ -302,7 +302,7 @@ class Collective:
 def step_collectives(spec: CommSpec) -> list:
     """Every collective of one optimizer step window (groups of size 1 included; they send nothing)."""
     body = _zeropp_collectives(spec) if spec.is_zeropp else _ladder_collectives(spec)
-    return body + _control_collectives(spec)
+    return body + control_collectives(spec)
 
 
 def _gather(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
@@ -400,7 +400,7 @@ def _zeropp_collectives(spec: CommSpec) -> list:
     return out
 
 
-def _control_collectives(spec: CommSpec) -> list:
+def control_collectives(spec: CommSpec) -> list:
     n = spec.world_size
     out = [Collective("control", ALLREDUCE, "world", n, FP32_BYTES),  # squared grad-norm partials
            Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),

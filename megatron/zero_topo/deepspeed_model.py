@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, FP32_BYTES, REDUCE_SCATTER, Collective,
-                                           CommModelError, CommSpec, _control_collectives, gradient_hop_bytes)
+                                           CommModelError, CommSpec, control_collectives, gradient_hop_bytes)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def deepspeed_collectives(spec: CommSpec, unit_shapes: Sequence[Sequence[tuple]]
     if persistent:  # _post_step: every persistent parameter, one coalesced world all-gather
         k = spec.world_size
         out.append(Collective("refresh", ALLGATHER, "world", _partitioned(persistent, k), spec.compute_bytes))
-    return out + _control_collectives(spec)
+    return out + control_collectives(spec)
 
 
 def _partitioned(numel: int, k: int) -> int:

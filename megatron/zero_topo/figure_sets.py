@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from megatron.zero_topo.hardware import (PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER,
-                                         LinkCurve)
+from megatron.zero_topo.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
+from megatron.zero_topo.hardware import LinkCurve
 
 GB = 1e9
 KIB, MIB = 1024, 1024 * 1024

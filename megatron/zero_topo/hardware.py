@@ -22,11 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from megatron.zero_topo.algorithms import ALGORITHMS, BACKENDS, FALLBACK
 from megatron.zero_topo.comm_model import CommModelError
-
-from megatron.zero_topo.algorithms import (  # noqa: F401  (the figures' vocabulary, re-exported)
-    ALGORITHMS, ALL_TO_ALL_SUM, BACKENDS, FALLBACK, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
-    RING_REDUCE_SCATTER)
 
 PROBE_FORMAT = "neox-topo-link-probe/1"
 SHAPES = ("pair", "node", "cross", "world")
@@ -75,10 +72,10 @@ class LinkCurve:
                 return math.exp(math.log(r0) + t * math.log(r1 / r0))
         return pts[-1][1]
 
-    def scaled(self, factor: float, lo: float = 0.0, hi: float = math.inf) -> "LinkCurve":
-        """The rates between step bytes ``lo`` and ``hi`` multiplied by ``factor`` (sensitivity runs)."""
-        return LinkCurve(tuple((c, r * factor if lo <= c <= hi else r) for c, r in self.points),
-                         self.latency_s, self.source + f" (x {factor:g})")
+    def scaled(self, factor: float) -> "LinkCurve":
+        """Every rate multiplied by ``factor`` (sensitivity runs)."""
+        return LinkCurve(tuple((c, r * factor) for c, r in self.points), self.latency_s,
+                         self.source + f" (x {factor:g})")
 
 
 def group_shape(ranks, layout: tuple) -> str:

@@ -44,9 +44,9 @@ from typing import Mapping, Optional, Sequence
 from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
                                            Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
                                            step_collectives, tier_between)
-from megatron.zero_topo.algorithms import AlgorithmError, collective_algorithm
-from megatron.zero_topo.hardware import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
-                                         RING_REDUCE_SCATTER, Device, Hardware, group_shape)
+from megatron.zero_topo.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
+                                           RING_REDUCE_SCATTER, AlgorithmError, collective_algorithm)
+from megatron.zero_topo.hardware import Device, Hardware, group_shape
 
 GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather")
 BOUNDARY_PHASES = ("cross_grad_reduce", "replica_allreduce", "refresh", "control")
