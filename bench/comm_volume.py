@@ -26,7 +26,7 @@ from megatron.zero_topo.comm_model import (  # noqa: E402
     PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
 from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.topology import Topology  # noqa: E402
-from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
+from megatron.model.sizes import unit_flops_per_token  # noqa: E402
 from megatron.zero_topo.hardware import Hardware  # noqa: E402
 from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, step_time  # noqa: E402
 from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402

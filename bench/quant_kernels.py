@@ -7,23 +7,20 @@ For each size: torch.clone of the fp32 input (the memory-bandwidth baseline), th
 implementation, bit width and block size the time of quantize, dequantize (to fp32) and the fused
 reduce_requantize over k chunks. GB/s counts bytes read plus bytes written (clone: 2 x 4n);
 `x clone` is clone's time over the kernel's time (1.0 = as fast as a copy); `x ref` is the
-reference's time over the kernel's time. `--accuracy` adds the relative RMS error per block size
+reference's time over the kernel's time; `% copy` is the kernel's GB/s as a share of clone's (the
+memory bound: issue 26's goals are 60% for quantize and dequantize, 40% for reduce_requantize). `--accuracy` adds the relative RMS error per block size
 (and the bytes the scales add per element), the other half of choosing a default block size.
 Implementations: reference and cpp on CPU; triton on a CUDA/ROCm device (`--device cuda`).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.ops.quant import get_quantizer  # noqa: E402
+from megatron.ops.quant import get_quantizer
 
 
 def parse_count(text: str) -> int:
@@ -63,9 +60,10 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
     print(f"\n== n = {n:,} elements ({4 * n / 2 ** 20:.0f} MiB fp32), torch threads "
           f"{torch.get_num_threads()}")
     print(f"{'impl':<10}{'bits':>5}{'block':>7}  {'op':<18}{'ms':>9}{'GB/s':>8}{'x clone':>9}"
-          f"{'x ref':>8}")
+          f"{'x ref':>8}{'% copy':>8}")
+    copy_rate = 8 * n / t_clone
     print(f"{'torch':<10}{'':>5}{'':>7}  {'clone':<18}{t_clone * 1e3:9.2f}"
-          f"{8 * n / t_clone / 1e9:8.2f}{1.0:9.2f}{'':>8}")
+          f"{copy_rate / 1e9:8.2f}{1.0:9.2f}{'':>8}{100.0:8.1f}")
     reference_times: dict[tuple, float] = {}
     for impl in args.impls:
         quantizer = get_quantizer(impl, device)
@@ -96,7 +94,7 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
                     ref = reference_times.get(key)
                     ratio = f"{ref / t:8.2f}" if ref else f"{'':>8}"
                     print(f"{impl:<10}{bits:>5}{block:>7}  {op:<18}{t * 1e3:9.2f}"
-                          f"{moved / t / 1e9:8.2f}{t_clone / t:9.2f}{ratio}")
+                          f"{moved / t / 1e9:8.2f}{t_clone / t:9.2f}{ratio}{100 * moved / t / copy_rate:8.1f}")
 
 
 def accuracy(args: argparse.Namespace) -> None:

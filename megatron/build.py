@@ -128,6 +128,15 @@ def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
     return materialize
 
 
+def compile_blocks(model: GPTNeoX) -> None:
+    """training.compile: each transformer block's ``forward`` compiled by torch.compile. Module hooks
+    run in ``__call__``, outside ``forward``, so the engine's gathers, releases and gradient hooks
+    stay eager; the engine's parameter views are graph inputs, so a new view per gather reuses the
+    compiled graph (one graph for all blocks of one shape)."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward)
+
+
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
     if not runtime.distributed:
@@ -162,6 +171,8 @@ def build_training(cfg) -> Run:
         model = build_model(cfg, runtime)
         params = num_parameters(model)  # before the engine takes the parameters over
         engine = build_engine(cfg, model, runtime)
+        if tcfg.compile:
+            compile_blocks(model)
     if runtime.is_main:
         flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size, cfg.model.seq_length)
         log_print(f"model: {params / 1e6:.2f}M parameters, {flops / 1e6:.1f} MFLOPs/token (train); "

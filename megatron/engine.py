@@ -24,13 +24,16 @@ class Engine(Protocol):
         """Forward + backward of one micro-batch; returns the detached local mean loss."""
 
     def optimizer_step(self, lr: float) -> dict:
-        """Clip and step once all micro-batches are in; returns {"grad_norm": pre-clip global norm}."""
+        """Clip and step once all micro-batches are in; returns the pre-clip global ``grad_norm``, the
+        ``loss_scale`` used and ``skipped_step`` (0/1), as floats or 0-d tensors (the loop reads them
+        after the step's work is queued)."""
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
         """Mean loss of one batch without gradients."""
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum `values` over every rank (a `control` collective); identity on one process."""
+    def all_reduce_sum(self, values: list) -> list[float]:
+        """Sum `values` (floats or 0-d device tensors) over every rank (a `control` collective) and
+        return them as floats; on one process only the read-back."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """All parameters by name, fp32, on every rank (tests, export)."""
@@ -70,9 +73,11 @@ class LocalEngine:
         self.device = device
         self.accumulation_steps = accumulation_steps
         self.autocast_dtype = autocast_dtype_of(precision)
+        # fused: one kernel for every parameter, told of a non-finite gradient on the device (found_inf)
+        self.fused = bool(opt_cfg.fused)
         self.optimizer = torch.optim.AdamW(
             adamw_param_groups(model, opt_cfg.weight_decay), lr=0.0, betas=tuple(opt_cfg.betas),
-            eps=opt_cfg.eps, foreach=False)
+            eps=opt_cfg.eps, **({"fused": True} if self.fused else {"foreach": False}))
         # fp16 needs loss scaling (the fp16 block's settings); bf16 and fp32 run at scale 1.
         self.loss_scale = DynamicLossScale(loss_scaling or LossScaleSettings.from_precision(precision))
 
@@ -89,22 +94,30 @@ class LocalEngine:
 
     def optimizer_step(self, lr: float) -> dict:
         """Unscale, clip, AdamW; a step whose gradients are not finite (any precision) is skipped:
-        parameters, moments and AdamW's step count stay as they were."""
+        parameters, moments and AdamW's step count stay as they were. Fused, nothing here waits for
+        the device (the kernel skips on its own ``found_inf``; only fp16's dynamic scale reads the
+        norm back): the stats are device scalars the loop reads once the step is queued."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         scale = self.loss_scale.scale
-        if scale != 1.0:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.div_(scale)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if scale != 1.0 and grads:
+            torch._foreach_div_(grads, scale)
         clip = self.opt_cfg.gradient_clipping
-        grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf")))
-        finite = math.isfinite(grad_norm)
-        if finite:
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        not_finite = (~torch.isfinite(grad_norm)).float()
+        if self.fused:
+            self.optimizer.found_inf = not_finite  # read by the fused step (torch's GradScaler protocol)
             self.optimizer.step()
-        self.loss_scale.update(finite)
+            if self.loss_scale.dynamic:
+                self.loss_scale.update(not bool(not_finite))
+        else:
+            finite = math.isfinite(float(grad_norm))
+            if finite:
+                self.optimizer.step()
+            self.loss_scale.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "loss_scale": scale, "skipped_step": float(not finite)}
+        return {"grad_norm": grad_norm.detach(), "loss_scale": scale, "skipped_step": not_finite}
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> torch.Tensor:
@@ -112,8 +125,8 @@ class LocalEngine:
         with self._autocast():
             return self.loss_fn(self.model, batch).detach()
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return list(values)
+    def all_reduce_sum(self, values: list) -> list[float]:
+        return [float(v) for v in values]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
@@ -133,6 +146,10 @@ class LocalEngine:
                            "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().float().flatten().cpu().clone()})
         return make_engine_state(pieces, shapes, step, {"loss_scaler": self.loss_scale.state_dict()})
 
+    def _step_tensor(self, step: int, param: torch.Tensor) -> torch.Tensor:
+        """AdamW's step count as torch keeps it: on the parameter's device for the fused kernel."""
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device if self.fused else "cpu")
+
     @torch.no_grad()
     def load_full_state(self, full: dict) -> None:
         params = dict(self.model.named_parameters())
@@ -141,7 +158,7 @@ class LocalEngine:
             param.copy_(full["params"][name])
             if full["step"] > 0:
                 self.optimizer.state[param] = {
-                    "step": torch.tensor(float(full["step"])),
+                    "step": self._step_tensor(full["step"], param),
                     "exp_avg": full["exp_avg"][name].to(param.device, param.dtype).clone(),
                     "exp_avg_sq": full["exp_avg_sq"][name].to(param.device, param.dtype).clone()}
         self.loss_scale.load_state_dict(full.get("loss_scaler"))
@@ -159,7 +176,7 @@ class LocalEngine:
             param.copy_(values["master"].view(param.shape))
             if step > 0:
                 self.optimizer.state[param] = {
-                    "step": torch.tensor(float(step)),
+                    "step": self._step_tensor(step, param),
                     "exp_avg": values["exp_avg"].view(param.shape).to(param.device, param.dtype),
                     "exp_avg_sq": values["exp_avg_sq"].view(param.shape).to(param.device, param.dtype)}
         self.loss_scale.load_state_dict(reader.shared.get("loss_scaler"))

@@ -22,6 +22,8 @@ from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
+from megatron.logging.throughput import Throughput, device_peak_flops
+from megatron.model.sizes import model_flops_per_token
 from megatron.numerics import NumericsWatch
 from megatron.runtime import Runtime
 from megatron.schedule import learning_rate, schedule_from_config
@@ -95,6 +97,8 @@ class Trainer:
         self.numerics = NumericsWatch(tcfg.max_consecutive_skipped_steps, tcfg.loss_spike_factor)
         self.save_deferred = False  # a checkpoint was due at a skipped step
         self.memory = memory or PhasePeaks(runtime.device)  # measured peak memory per phase
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size)
+        self.peak_flops = device_peak_flops(runtime.device, cfg.precision.precision, cfg.logging.peak_tflops_per_gpu)
         self.last_valid_loss: float | None = None
         self.comm_totals: dict[str, int] = {}
         self.start_iteration = 0
@@ -106,15 +110,17 @@ class Trainer:
     def train_step(self) -> dict:
         # DeepSpeed's rule: a skipped step does not advance the schedule (the data position does).
         lr = learning_rate(self.iteration - self.numerics.skipped_steps + 1, **self.schedule)
-        local_loss_sum = 0.0
+        local_loss_sum = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
         for micro_step in range(self.batching.accumulation):
             indices = self.batching.micro_indices(self.consumed_samples, micro_step)
             batch = collate(self.train_data, indices, self.runtime.device)
-            local_loss_sum += float(self.engine.forward_backward(batch))
+            local_loss_sum += self.engine.forward_backward(batch)  # stays on the device: no sync per micro-step
         stats = self.engine.optimizer_step(lr)
         # The stop flag rides with the loss: every rank learns of a signal any rank got, same step.
+        # The step's one host sync: the loss read back after all its work was queued.
         loss_sum, count, stops = self.engine.all_reduce_sum(
             [local_loss_sum, float(self.batching.accumulation), float(self.stop.requested)])
+        stats = {key: float(value) for key, value in stats.items()}  # device scalars, ready by now
         self.stop_agreed = stops > 0
         self.iteration += 1
         self.consumed_samples += self.batching.global_batch
@@ -144,16 +150,19 @@ class Trainer:
             start = time.perf_counter()
             with self.memory.phase("step"):
                 metrics = self.train_step()
-            elapsed = time.perf_counter() - start
-            tokens_per_sec = self.batching.global_batch * seq / elapsed
-            metrics.update({"runtime/tokens_per_sec": tokens_per_sec, "runtime/iteration_time": elapsed,
-                            "runtime/samples_consumed": self.consumed_samples})
+            speed = Throughput(self.batching.global_batch * seq, time.perf_counter() - start, self.flops_per_token,
+                               self.runtime.world_size, self.peak_flops)
+            metrics.update(speed.metrics())
+            metrics["runtime/samples_consumed"] = self.consumed_samples
+            peak_memory = self.memory.peak_bytes("step")
+            if peak_memory is not None:
+                metrics["runtime/peak_memory_bytes"] = peak_memory
             metrics.update(self._comm_metrics())
             if self.iteration % log_interval == 0 or self.iteration == tcfg.train_iters or self.iteration == 1:
                 self.metrics.log(self.iteration, metrics)
                 if self.runtime.is_main:
                     progress.print(self.iteration, metrics["train/lm_loss"], metrics["train/learning_rate"],
-                                   metrics["train/grad_norm"], tokens_per_sec)
+                                   metrics["train/grad_norm"], speed, peak_memory)
             else:  # the numerics every step, as NeoX logs them: a skip between logged steps is not lost
                 self.metrics.log(self.iteration, {key: metrics[key] for key in EVERY_STEP_METRICS})
             self.numerics.raise_if_diverged(self.iteration)

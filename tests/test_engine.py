@@ -54,7 +54,7 @@ def reference_run(world_size: int, steps: int, accum: int, **model_overrides) ->
     """Single-process training on the same global batches: per-step mean loss, grad norm, final params."""
     model = build_model(**model_overrides)
     opt = torch.optim.AdamW(adamw_param_groups(model, OPT.weight_decay), lr=LR, betas=tuple(OPT.betas),
-                            eps=OPT.eps, foreach=False)
+                            eps=OPT.eps, **({"fused": True} if OPT.fused else {"foreach": False}))
     losses, norms = [], []
     for step in range(steps):
         total = 0.0
@@ -109,6 +109,46 @@ def test_adamw_slice_equals_torch_adamw_elementwise():
                      lr=3e-2, step=step, hyper=hyper)
     for p, off in zip(torch_params, offsets):
         torch.testing.assert_close(flat[off: off + p.numel()].view(p.shape), p.detach(), rtol=0, atol=0)
+
+
+def test_fused_adamw_slices_equal_torch_fused_adamw_bitwise():
+    """fused_adamw_update on flat slices cut anywhere (several units, decay runs, padding) ==
+    torch.optim.AdamW(fused=True) on the separate parameters, bit for bit."""
+    from megatron.zero_topo.optimizer import fused_adamw_update, plain_ranges
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(6, 5), (5,), (3, 4), (7,), (17, 3), (2,)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    torch_params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": [p for p in torch_params if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in torch_params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=3e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    flat = torch.cat([p.reshape(-1) for p in params] + [torch.zeros(3)])  # 3 elements of padding
+    exp_avg, exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
+    offsets, start = [], 0
+    for p in params:
+        offsets.append(start)
+        start += p.numel()
+    cuts = [0, 11, 30, 31, flat.numel()]  # "units" cut inside parameters
+    def runs_in(a, b):  # the decay runs of flat[a:b], relative to a
+        out = []
+        for p, off in zip(params, offsets):
+            lo, hi = max(a, off), min(b, off + p.numel())
+            if p.ndim >= 2 and lo < hi:
+                out.append((lo - a, hi - a))
+        return out
+    assert plain_ranges(10, [(2, 4), (6, 8)]) == [(0, 2), (4, 6), (8, 10)]
+    hyper = AdamWHyper(0.9, 0.95, 1e-8, 0.1)
+    for step in range(1, 4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g in zip(torch_params, grads):
+            p.grad = g.clone()
+        opt.step()
+        grad = torch.cat([g.reshape(-1) for g in grads] + [torch.zeros(3)])
+        fused_adamw_update([(flat[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], runs_in(a, b))
+                            for a, b in zip(cuts, cuts[1:])], lr=3e-2, step=step, hyper=hyper)
+    for p, off in zip(torch_params, offsets):
+        torch.testing.assert_close(flat[off: off + p.numel()].view(p.shape), p.detach(), rtol=0, atol=0)
+    assert torch.equal(flat[-3:], torch.zeros(3))  # padding: zero gradient, no decay, stays zero
 
 
 # ------------------------------------------------------------------------------- one rank vs torch

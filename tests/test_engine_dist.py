@@ -39,6 +39,9 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
     comm = Communicator(groups)
     engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, run.get("precision", "fp32"), groups, comm,
                             accum, preset=preset, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter"))
+    if run.get("compile"):  # training.compile: after the engine, which swaps the parameters for views
+        from megatron.build import compile_blocks
+        compile_blocks(model)
     return engine, comm
 
 
@@ -339,6 +342,20 @@ def test_two_rank_layout_matches_reference(tmp_path):
     for name in ("zero_topo", "stage3"):
         assert results[0][name]["losses"] == pytest.approx(ref["losses"], abs=TOL)
         assert max_param_diff(results[0][name]["params"], ref["params"]) < TOL
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_reference(tmp_path):
+    """training.compile under the sharded engine: gathers into released storage, new parameter views
+    per gather, the recompute of checkpointed blocks; the same training as the eager reference."""
+    runs = [{"name": "stage3", "preset": "stage3", "compile": True},
+            {"name": "zero_topo_recompute", "preset": "zero_topo", "checkpoint_activations": True, "compile": True}]
+    results = run_ranks("test_engine_dist:_runs_worker", 2, tmp_path, layout=[2, 1], runs=runs, steps=STEPS, accum=ACCUM)
+    ref = reference_run(2, STEPS, ACCUM)
+    for name in ("stage3", "zero_topo_recompute"):
+        assert results[0][name]["losses"] == pytest.approx(ref["losses"], abs=TOL)
+        assert max_param_diff(results[0][name]["params"], ref["params"]) < TOL
+    assert results[0]["zero_topo_recompute"]["blocks"] == [1, 2]  # the recompute path ran
 
 
 def test_sharded_state_and_cross_layout_load(tmp_path):

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -31,7 +32,7 @@ from megatron.runtime import Runtime
 from megatron.topology import ProcessGroups, Topology, preset_factors
 from megatron.training import Trainer
 from megatron.zero_topo import Communicator, ZeroTopoEngine
-from test_engine import MICRO_BSZ, OPT, SEQ, VOCAB, build_model
+from test_engine import MICRO_BSZ, OPT, SEQ, VOCAB, build_model, tiny_cfg
 
 SCALING = LossScaleSettings(enabled=True, initial_scale_power=10, window=3, hysteresis=2)
 NAN_STEPS = (1, 2, 6)         # steps whose gradient gets a NaN (on rank 1 only, when distributed)
@@ -131,6 +132,7 @@ class _Watched:
 
 def _config(log_dir: str, log_interval: int = 1, train_iters: int = STEPS) -> NeoXConfig:
     cfg = NeoXConfig()
+    cfg.model = dataclasses.replace(tiny_cfg(), padded_vocab_size=VOCAB)  # the engines' model (the log's FLOPs)
     cfg.training.train_micro_batch_size_per_gpu, cfg.training.gradient_accumulation_steps = MICRO_BSZ, 1
     cfg.training.train_iters, cfg.training.eval_iters = train_iters, 0
     cfg.optimizer.lr, cfg.lr_schedule.warmup_iters, cfg.lr_schedule.lr_decay_iters = PEAK_LR, WARMUP, 100

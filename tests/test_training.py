@@ -7,7 +7,8 @@ import pytest
 
 from conftest import run_deepy, tiny_run_config
 
-TRAIN_KEYS = {"iteration", "train/lm_loss", "train/learning_rate", "train/grad_norm", "runtime/tokens_per_sec"}
+TRAIN_KEYS = {"iteration", "train/lm_loss", "train/learning_rate", "train/grad_norm", "runtime/tokens_per_sec",
+              "runtime/flops_per_sec_per_gpu", "runtime/mfu", "runtime/peak_memory_bytes"}
 VALID_KEYS = {"iteration", "validation/lm_loss", "validation/lm_loss_ppl"}
 
 
@@ -16,10 +17,11 @@ def _records(log_dir):
 
 
 def test_thirty_steps_loss_falls_metrics_and_checkpoint(tmp_path, tiny_corpus):
-    cfg = tiny_run_config(tmp_path, tiny_corpus, save=str(tmp_path / "ck"))
+    cfg = tiny_run_config(tmp_path, tiny_corpus, save=str(tmp_path / "ck"), peak_tflops_per_gpu=0.05)
     result = run_deepy("train.py", str(cfg))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 30/30" in result.stdout and "ETA" in result.stdout and "tok/s" in result.stdout
+    assert "TFLOPS | MFU " in result.stdout and "| mem " in result.stdout
     records = _records(tmp_path / "logs")
     train = [r for r in records if "train/lm_loss" in r]
     valid = [r for r in records if "validation/lm_loss" in r]
@@ -31,6 +33,15 @@ def test_thirty_steps_loss_falls_metrics_and_checkpoint(tmp_path, tiny_corpus):
     assert valid[-1]["validation/lm_loss"] < valid[0]["validation/lm_loss"]
     assert (tmp_path / "ck" / "latest").read_text() == "global_step30"
     assert "unigram entropy" in result.stdout
+    # model FLOPs by hand (6N + 12 L h s, N the matmul weights, the output layer included), per second
+    from tokenizers import Tokenizer
+    vocab = -(-Tokenizer.from_file(str(tiny_corpus / "tokenizer.json")).get_vocab_size() // 128) * 128
+    h, layers, seq, tokens = 64, 2, 32, 8 * 32
+    flops_per_token = 6 * (layers * (3 * h * h + h * h + 2 * h * 4 * h) + h * vocab) + 12 * layers * h * seq
+    for r in train:
+        assert r["runtime/flops_per_sec_per_gpu"] * r["runtime/iteration_time"] == pytest.approx(flops_per_token * tokens)
+        assert r["runtime/mfu"] == pytest.approx(r["runtime/flops_per_sec_per_gpu"] / 0.05e12)
+        assert r["runtime/peak_memory_bytes"] > 50e6  # this process's RSS on a CPU: torch alone is more
 
 
 def _expect_one_line_error(result, *fragments):

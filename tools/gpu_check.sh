@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Check the GPU path of this checkout on one CUDA or ROCm GPU, in under 5 minutes:
+# Check the GPU path of this checkout on one CUDA or ROCm GPU, in under 8 minutes:
 #   a. torch sees a GPU          b. Triton kernels bit-exact vs the torch reference on it
-#   c. pytest -m gpu tests       d. the quantization kernel benchmark (GB/s)
+#   c. pytest -m gpu tests       d. the quantization kernel benchmark (GB/s, % of a device copy)
+#   e. one-device throughput: our step vs Hugging Face eager and torch.compile (1.01B shape)
+#   f. memory: each phase's peak allocation vs the memory model's device terms (one process)
 # Run it directly from anywhere: tools/gpu_check.sh  (PYTHON=... to choose the interpreter).
 # Exit: 0 every check that ran passed, 1 a check failed, 77 no GPU visible (nothing checked).
 # docs/gpu.md describes each check.
@@ -12,7 +14,7 @@ if [[ -z ${PYTHON:-} ]]; then
     PYTHON=.venv/bin/python
     [[ -x $PYTHON ]] || PYTHON=python3
 fi
-BUDGET_S=${GPU_CHECK_BUDGET_S:-290}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-460}
 export PYTHONUNBUFFERED=1  # check output appears as it happens, not when a pipe buffer fills
 START_S=$SECONDS
 LOGS=$(mktemp -d)
@@ -102,11 +104,11 @@ fi
 if ((HAVE_TRITON)); then
     run_check bench 90 "$PYTHON" bench/quant_kernels.py --device cuda --sizes 16M --blocks 2048 \
         --repeat 3
-    # Columns are fixed width: op at 25-42, GB/s at 52-59 (see bench_size's format strings).
+    # Columns are fixed width: op at 25-42, GB/s at 52-59, % of the copy rate last (bench_size's formats).
     rates=$(awk '/^torch /{printf "clone %.0f", substr($0, 52, 8)}
                  /^triton / && NF > 6 {op = substr($0, 25, 18); sub(/ .*/, "", op);
                      sub(/reduce_requant/, "reduce", op);
-                     printf ", int%s %s %.0f", $2, op, substr($0, 52, 8)}' "$LOGS/bench.log")
+                     printf ", int%s %s %.0f (%.0f%%)", $2, op, substr($0, 52, 8), $NF}' "$LOGS/bench.log")
     if [[ $RC -eq 0 && $rates == *int8* ]]; then
         record PASS "d. bench GB/s" "$rates"
     else
@@ -114,6 +116,39 @@ if ((HAVE_TRITON)); then
     fi
 else
     record SKIP "d. bench GB/s" "triton is not installed"
+fi
+
+# e. our training step against HF GPTNeoXForCausalLM eager and compiled, same weights and batches
+run_check throughput 240 "$PYTHON" bench/gpu_throughput.py --steps 10 --warmup 3 --json "$LOGS/throughput.json"
+table=$("$PYTHON" - "$LOGS/throughput.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+parts = []
+for r in rows:
+    mfu = "" if r["mfu"] is None else " MFU %.0f%%" % (100 * r["mfu"])
+    ratio = "-" if r["vs_hf_compile"] is None else "%.3fx" % r["vs_hf_compile"]
+    parts.append("%s %.4f s %.0f TFLOPS%s %.1f GB, vs hf_compile %s"
+                 % (r["row"], r["s_per_step"], r["tflops"], mfu, r["peak_bytes"] / 1e9, ratio))
+print("; ".join(parts))
+PY
+)
+if [[ $RC -eq 0 && -n $table ]]; then
+    record PASS "e. throughput" "$table"
+else
+    record FAIL "e. throughput" "$(rc_text), ${table:-no table}"
+fi
+
+# f. the memory model's device terms against the GPU's peak allocation per phase (one process)
+run_check memory 120 "$PYTHON" bench/memory.py --device cuda --layout none --load-layout none \
+    --layers 8 --hidden 2048 --heads 16 --seq 1024 --configs zero3 --set bf16.enabled=true
+# rows "zero3  <phase>  <run>  baseline  measured  predicted  measured/predicted": phase and ratio
+ratios=$(awk '$1 == "zero3" && $2 ~ /^(build|step|save|load)$/ {printf "%s%s %s", sep, $2, $NF; sep = ", "}' \
+    "$LOGS/memory.log")
+[[ -n $ratios ]] && ratios="measured/predicted: $ratios"
+if [[ $RC -eq 0 && -n $ratios ]]; then
+    record PASS "f. memory vs model" "$ratios"
+else
+    record FAIL "f. memory vs model" "$(rc_text), ${ratios:-no zero3 row}"
 fi
 
 echo

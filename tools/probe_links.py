@@ -53,7 +53,7 @@ from megatron.topology import ProcessGroups, ShardFactors, Topology  # noqa: E40
 from megatron.topology.groups import RankGroup  # noqa: E402
 from megatron.zero_topo.comm import Communicator  # noqa: E402
 from megatron.zero_topo.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
-from megatron.zero_topo.model_inputs import unit_flops_per_token  # noqa: E402
+from megatron.model.sizes import unit_flops_per_token  # noqa: E402
 from megatron.zero_topo.hardware import PROBE_FORMAT, group_shape  # noqa: E402
 from megatron.zero_topo.time_model import algorithm_of, footprint  # noqa: E402
 

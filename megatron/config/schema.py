@@ -61,6 +61,8 @@ class OptimizerConfig:
     eps: float = doc(1.0e-8, "Adam epsilon (optimizer.params.eps).", key="optimizer.params.eps", gt=0.0)
     weight_decay: float = doc(0.01, "Decoupled weight decay; never applied to norms and biases.", ge=0.0)
     gradient_clipping: float = doc(1.0, "Global grad-norm clip; 0 disables.", ge=0.0)
+    fused: bool = doc(True, "torch's fused AdamW kernel (torch.optim.AdamW(fused=True); the sharded engine calls the same kernel, torch._fused_adamw_, once per step on every unit's flat fp32 slices): one pass over the states instead of several, and no host sync to skip a step whose gradients are not finite. false: torch's for-loop AdamW (foreach=False), which rounds differently by an ulp here and there.",
+                      key="optimizer.params.fused")
 
 
 @dataclass
@@ -113,6 +115,8 @@ class TrainingConfig:
     device: str = doc("auto", "Compute device: auto (GPU when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     max_consecutive_skipped_steps: int = doc(100, "Stop the run (exit code 2, no save) after this many steps in a row were skipped for a non-finite gradient; 0 = never stop.", ge=0)
     loss_spike_factor: float = doc(3.0, "Log (not stop) a loss above this many times its running mean; 0 = off.", ge=0.0)
+    compile: bool = doc(False, "torch.compile each transformer block's forward (the engine's gather/release hooks stay outside the compiled region; the embedding, the head and the loss run eager). The first steps are slower while the blocks compile.",
+                        key="compile")
 
 
 @dataclass
@@ -136,6 +140,7 @@ class LoggingConfig:
     wandb_project: str = doc("neox-topo", "wandb project.")
     wandb_group: Optional[str] = doc(None, "wandb group.")
     tensorboard_dir: Optional[str] = doc(None, "Write tensorboard events here when set.")
+    peak_tflops_per_gpu: Optional[float] = doc(None, "The device's peak dense TFLOP/s in the run's precision, the denominator of runtime/mfu; None = from the GPU's name (megatron/logging/throughput.py: H100/H200, A100, MI250X GCD, MI300X...); MFU is not logged for a device the table lacks (CPU included).", gt=0.0)
     memory_report: bool = doc(False, "Every rank writes its measured peak memory per phase (build, load, step, save: peak RSS, and the device's peak allocation on a GPU) to <log_dir>/memory/rank_<r>.json (bench/memory.py reads them).")
 
 

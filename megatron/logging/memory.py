@@ -75,6 +75,12 @@ class PhasePeaks:
                 self.device_peak[name] = max(self.device_peak.get(name, 0),
                                              torch.cuda.max_memory_allocated(self.device))
 
+    def peak_bytes(self, name: str) -> Optional[int]:
+        """The phase's peak on the run's device: the GPU's allocation, else (CPU) the process's RSS."""
+        if self.device is not None and self.device.type == "cuda":
+            return self.device_peak.get(name)
+        return self.host.get(name)
+
     def as_dict(self) -> dict:
         return {"baseline_rss": self.baseline, "peak_rss": dict(self.host), "device_peak": dict(self.device_peak)}
 

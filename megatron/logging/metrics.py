@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 
 def format_bytes(n: float) -> str:
@@ -82,7 +83,9 @@ def _plain(value):
 
 
 class ProgressLine:
-    """`step 40/200 | loss 4.1234 | lr 9.8e-04 | grad 0.91 | 12,345 tok/s | ETA 1m02s`."""
+    """`step 40/200 | loss 4.1234 | lr 9.8e-04 | grad 0.91 | 12,345 tok/s | 151.2 TFLOPS | MFU 45.3% |
+    mem 44.61 GiB | ETA 1m02s` (TFLOPS per GPU; MFU where the device's peak is known; mem: the step's
+    peak on the device, the process's RSS on a CPU)."""
 
     def __init__(self, total_iters: int, start_iter: int = 0, stream=sys.stdout):
         self.total = total_iters
@@ -90,13 +93,20 @@ class ProgressLine:
         self.t0 = time.perf_counter()
         self.stream = stream
 
-    def line(self, iteration: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float) -> str:
+    def line(self, iteration: int, loss: float, lr: float, grad_norm: float, speed,
+             peak_memory: Optional[int] = None) -> str:
+        """``speed``: a ``megatron.logging.throughput.Throughput``."""
         done = iteration - self.start_iter
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (self.total - iteration) if done > 0 else float("nan")
         eta_text = format_duration(eta) if math.isfinite(eta) else "?"
-        return (f"step {iteration}/{self.total} | loss {loss:.4f} | lr {lr:.3e} | grad {grad_norm:.3f}"
-                f" | {tokens_per_sec:,.0f} tok/s | ETA {eta_text}")
+        parts = [f"step {iteration}/{self.total}", f"loss {loss:.4f}", f"lr {lr:.3e}", f"grad {grad_norm:.3f}",
+                 f"{speed.tokens_per_sec:,.0f} tok/s", f"{speed.flops_per_sec_per_gpu / 1e12:.4g} TFLOPS"]
+        if speed.mfu is not None:
+            parts.append(f"MFU {100 * speed.mfu:.1f}%")
+        if peak_memory is not None:
+            parts.append(f"mem {format_bytes(peak_memory)}")
+        return " | ".join(parts + [f"ETA {eta_text}"])
 
     def print(self, *args) -> None:
         print(self.line(*args), file=self.stream, flush=True)

@@ -1,7 +1,8 @@
 """The GPT-NeoX model (no distributed code) and its size / FLOPs arithmetic."""
 from megatron.model.gpt_neox import GPTNeoX, ModelConfigError, validate_model_config
 from megatron.model.kv_cache import KVCache
-from megatron.model.sizes import model_flops_per_token, num_parameters, parameter_count, unit_parameter_counts
+from megatron.model.sizes import (model_flops_per_token, num_parameters, parameter_count, unit_flops_per_token,
+                                  unit_parameter_counts)
 
 __all__ = [
     "GPTNeoX",
@@ -11,5 +12,6 @@ __all__ = [
     "model_flops_per_token",
     "num_parameters",
     "parameter_count",
+    "unit_flops_per_token",
     "unit_parameter_counts",
 ]

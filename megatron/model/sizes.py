@@ -54,23 +54,28 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
-    """Training FLOPs (forward + backward) per token, the quantity TFLOPS and MFU are reported in.
+def unit_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int | None = None) -> tuple:
+    """Forward model FLOPs per token of each unit, in forward order ``(embed, *blocks, final)``: the
+    one FLOP formula of the project (the training log's TFLOPS and MFU, the step-time model's compute,
+    bench/gpu_throughput.py all read it). Model FLOPs: recomputation under activation checkpointing
+    is not counted, the causal mask is not discounted, biases / norms / softmax are neglected:
 
-    Formula (model FLOPs: recomputation under activation checkpointing is not counted, the causal
-    mask is not discounted, biases / norms / softmax are neglected):
+        block   2 * (3h^2 + h^2 + 2hf)  (QKV, attention out, MLP in + out)  + 2 * 2sh  (QK^T, attn x V)
+        final   2 * hV                  (the output layer)
+        embed   0                       (a lookup, not a matmul)
 
-        matmul weights  M = L * (3h^2 + h^2 + 2hf) + hV     (QKV, attn out, MLP in + out, output layer;
-                                                            the input embedding is a lookup, not a matmul)
-        forward         F = 2M + L * 2 * (2 * s * h)        (QK^T and attention-times-V per token)
-        training          = 3F                              (backward costs twice the forward)
+    ``seq_length`` (the attention span) defaults to the model's."""
+    h, f, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
+    s = model_cfg.seq_length if seq_length is None else seq_length
+    block = 2 * (3 * h * h + h * h + 2 * h * f) + 2 * (2 * s * h)
+    return (0.0,) + (float(block),) * layers + (float(2 * h * vocab_size),)
 
-    which is the familiar ``6N + 12 L h s`` with N the matmul weights.
-    """
-    h, f, v, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size, model_cfg.num_layers
-    matmul_weights = layers * (3 * h * h + h * h + 2 * h * f) + h * v
-    forward = 2 * matmul_weights + layers * 2 * (2 * seq_length * h)
-    return float(3 * forward)
+
+def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token: 3x the forward of ``unit_flops_per_token`` (the
+    backward costs twice the forward). This is the familiar ``6N + 12 L h s`` with N the matmul
+    weights (the input embedding excluded), the quantity TFLOPS and MFU are reported in."""
+    return 3.0 * sum(unit_flops_per_token(model_cfg, vocab_size, seq_length))
 
 
 def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int) -> int:

@@ -49,7 +49,7 @@ from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
 from megatron.zero_topo.grad_reduce import (DEFAULT_BUCKET_ELEMENTS, ReductionWindow, column_ranges, ladder_chain,
                                             piece_of, quantized_piece_chain)
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
-from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient
+from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient, fused_adamw_update
 from megatron.zero_topo.prefetch import PassOrder
 from megatron.zero_topo.gathers import start_unit_gather
 from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
@@ -94,6 +94,7 @@ class ZeroTopoEngine:
         self.preset = self.layout.preset
         self.accumulation_steps = accumulation_steps
         self.hyper = AdamWHyper.from_config(opt_cfg)
+        self.fused_adamw = bool(opt_cfg.fused)
         self.gradient_clipping = float(opt_cfg.gradient_clipping or 0.0)
         self.dtype = COMPUTE_DTYPES[precision]
         # Dtype of every gradient hop across nodes (cross, replica, spanning micro-step hops).
@@ -434,9 +435,13 @@ class ZeroTopoEngine:
                 for g in grads:
                     g.mul_(coef)
             self.step_count += 1
+            if self.fused_adamw:  # one kernel over every unit's slice
+                fused_adamw_update([(u.master, g, u.exp_avg, u.exp_avg_sq, u.decay_ranges)
+                                    for u, g in zip(self.units, grads)], lr=lr, step=self.step_count, hyper=self.hyper)
             for unit, grad in zip(self.units, grads):
-                adamw_update(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.decay_ranges,
-                             lr=lr, step=self.step_count, hyper=self.hyper)
+                if not self.fused_adamw:
+                    adamw_update(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.decay_ranges,
+                                 lr=lr, step=self.step_count, hyper=self.hyper)
                 self._refresh(unit, "refresh")
         else:
             self._reset_residuals()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from megatron.logging.throughput import H100_SXM, MI250X_GCD
 from megatron.zero_topo.algorithms import ALGORITHMS, BACKENDS, FALLBACK
 from megatron.zero_topo.comm_model import CommModelError
 
@@ -126,11 +127,11 @@ DEVICES = {
     # Achieved compute: 35% of peak assumed for a 10-20B GPT in bf16 (not measured: no MI250X here);
     # RCCL kernels share the CUs with compute: 0.9 of the overlap assumed.
     # A local copy reads and writes each byte: half the HBM bandwidth.
-    "mi250x_gcd": Device("mi250x_gcd", 0.35 * 191.5e12, 1.6e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
+    "mi250x_gcd": Device("mi250x_gcd", 0.35 * MI250X_GCD["bfloat16"], 1.6e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
                          1.6e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 64e9, copy_bytes_per_s=1.6e12 / 2),
     # H100 SXM: 989 TFLOP/s bf16 dense (the H200's compute), 80 GB HBM3 at 3.35 TB/s; 50% achieved
     # as measured on the H200.
-    "h100": Device("h100", 0.50 * 989e12, 3.35e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
+    "h100": Device("h100", 0.50 * H100_SXM["bfloat16"], 3.35e12 / ADAMW_HBM_BYTES_PER_ELEMENT,
                    3.35e12 / QUANTIZE_HBM_BYTES_PER_ELEMENT, 0.9, 80e9, copy_bytes_per_s=3.35e12 / 2),
 }
 DEVICE_OF_TOPOLOGY = {"dgx": "h100"}  # every other topology (frontier, sim..., slurm...) has Frontier's figures

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.config import pad_vocab_size
-from megatron.model.sizes import unit_parameter_counts
+from megatron.model.sizes import unit_flops_per_token, unit_parameter_counts
 from megatron.topology.layout import CUSTOM, ShardLayout
 from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
 
@@ -51,17 +51,6 @@ def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
                     **sharding)
-
-
-def unit_flops_per_token(model_cfg, padded_vocab: int) -> tuple:
-    """Forward model FLOPs per token of each unit, in forward order (embedding, blocks, final): the
-    terms of ``megatron.model.sizes.model_flops_per_token`` split by the unit that runs them (its
-    total is 3x their sum): a block's four matmuls and its attention over ``seq_length``, the head's
-    output layer; the embedding is a lookup."""
-    h, s, layers = model_cfg.hidden_size, model_cfg.seq_length, model_cfg.num_layers
-    inner = model_cfg.intermediate_size if model_cfg.intermediate_size is not None else 4 * h
-    block = 2 * (3 * h * h + h * h + 2 * h * inner) + 2 * (2 * s * h)
-    return (0.0,) + (float(block),) * layers + (float(2 * h * padded_vocab),)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

@@ -1,5 +1,9 @@
-"""AdamW on one flat fp32 slice, elementwise identical to ``torch.optim.AdamW(foreach=False)``.
+"""AdamW on flat fp32 slices, elementwise identical to torch's AdamW on separate parameters.
 
+Two implementations, as ``optimizer.params.fused`` chooses: ``fused_adamw_update`` calls the kernel
+of ``torch.optim.AdamW(fused=True)`` (``torch._fused_adamw_``) once for every unit's slices (one
+launch for the decay runs, one for the rest; its elementwise result does not depend on where a
+slice is cut), ``adamw_update`` repeats ``torch.optim.AdamW(foreach=False)``'s for-loop ops.
 Weight decay is decoupled and applies only inside ``decay_ranges`` (the matrix parameters' elements
 of the slice); norms, biases and padding get none, as with torch's two parameter groups.
 """
@@ -39,6 +43,42 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     step_size = lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(hyper.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def plain_ranges(length: int, decay_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The runs of ``[0, length)`` outside the (sorted, disjoint) ``decay_ranges``."""
+    runs, start = [], 0
+    for a, b in decay_ranges:
+        if a > start:
+            runs.append((start, a))
+        start = b
+    if start < length:
+        runs.append((start, length))
+    return runs
+
+
+@torch.no_grad()
+def fused_adamw_update(slices: list[tuple], *, lr: float, step: int, hyper: AdamWHyper) -> None:
+    """One AdamW step on many flat fp32 slices in place, by torch's fused kernel: ``slices`` holds
+    ``(param, grad, exp_avg, exp_avg_sq, decay_ranges)`` per unit."""
+    classes = [(hyper.weight_decay, lambda runs, n: runs), (0.0, lambda runs, n: plain_ranges(n, runs))]
+    if hyper.weight_decay == 0:  # one launch for everything
+        classes = [(0.0, lambda runs, n: [(0, n)])]
+    for weight_decay, runs_of in classes:
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        for param, grad, exp_avg, exp_avg_sq, decay_ranges in slices:
+            for a, b in runs_of(decay_ranges, param.numel()):
+                params.append(param[a:b])
+                grads.append(grad[a:b])
+                exp_avgs.append(exp_avg[a:b])
+                exp_avg_sqs.append(exp_avg_sq[a:b])
+        if not params:
+            continue
+        # torch counts steps in a float32 tensor on the parameters' device; the kernel only reads it
+        count = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), amsgrad=False,
+                            lr=lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=weight_decay, eps=hyper.eps,
+                            maximize=False)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:

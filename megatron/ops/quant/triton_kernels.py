@@ -121,9 +121,12 @@ def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.con
 
 @triton.jit
 def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    k, n_blocks, block, QMAX: tl.constexpr, SPAN: tl.constexpr,
+                    n_blocks, block, K: tl.constexpr, QMAX: tl.constexpr, SPAN: tl.constexpr,
                     REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Sum the k INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum.
+    """Sum the K INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum. K is a
+    compile-time constant (one compiled kernel per group size): the loop unrolls, so the chunks'
+    loads are issued together instead of one round trip to memory per chunk (a runtime loop
+    serialised them: 133 GB/s at K = 8 on an H200).
 
     With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
     """
@@ -131,7 +134,7 @@ def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
     offs = tl.arange(0, SPAN)
     mask = offs < block
     acc = tl.zeros([SPAN], dtype=tl.float32)
-    for j in range(k):
+    for j in tl.static_range(K):  # unrolled: the K loads are all in flight at once
         chunk_block = j * n_blocks + b
         scale_j = tl.load(scales_ptr + chunk_block)
         codes = tl.load(codes_ptr + chunk_block * block + offs, mask=mask, other=0)
@@ -151,9 +154,10 @@ def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
 
 @triton.jit
 def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    k, n_blocks, block, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
+                    n_blocks, block, K: tl.constexpr, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
                     REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Sum the k packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store.
+    """Sum the K packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store (K: as
+    _reduce8_kernel).
 
     With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
     """
@@ -162,7 +166,7 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
     mask = pairs < block // 2
     acc_lo = tl.zeros([HALF_SPAN], dtype=tl.float32)
     acc_hi = tl.zeros([HALF_SPAN], dtype=tl.float32)
-    for j in range(k):
+    for j in tl.static_range(K):  # unrolled: the K loads are all in flight at once
         chunk_block = j * n_blocks + b
         scale_j = tl.load(scales_ptr + chunk_block)
         byte = tl.load(codes_ptr + chunk_block * (block // 2) + pairs, mask=mask,
@@ -250,7 +254,7 @@ class TritonQuantizer(Quantizer):
         if n_blocks:
             kernel = _reduce8_kernel if bits == 8 else _reduce4_kernel
             res = residual if residual is not None else scales  # unused without a residual
-            kernel[(n_blocks,)](codes_k, scales_k, codes, scales, total, res, k, n_blocks, block,
+            kernel[(n_blocks,)](codes_k, scales_k, codes, scales, total, res, n_blocks, block, k,
                                 float(qmax(bits)), _span(bits, block), requantize,
                                 residual is not None, enable_fp_fusion=False)
         return codes, scales, total

@@ -1,0 +1,251 @@
+"""One device, one process: our training step against Hugging Face's GPTNeoXForCausalLM, eager and
+compiled, on the same shape, weights and batches.
+
+    .venv/bin/python bench/gpu_throughput.py                       # the 1.01B shape on cuda, bf16
+    .venv/bin/python bench/gpu_throughput.py --shape 24,2048,16,2048,4,50432 --steps 10
+    .venv/bin/python bench/gpu_throughput.py --device cpu --shape tiny --precision fp32 --rows ours,hf
+
+Rows (``--rows``, in this order):
+  ours           the step `deepy.py train.py` runs on one device: megatron.engine.LocalEngine
+                 (fp32 weights, autocast to --precision, AdamW as optimizer.params.fused says, clip 1.0)
+  ours_compile   the same with training.compile (each block's forward through torch.compile)
+  hf             GPTNeoXForCausalLM, the loop a user writes: fp32 weights, autocast, fused AdamW, clip 1.0
+  hf_compile     the same with torch.compile(model)
+
+Every row starts from the same weights (ours, converted to HF's names) and sees the same batches;
+its loss is the same mean cross entropy over fp32 logits, so the first losses agree within the
+precision's noise (a check that the rows run the same model). Each row: median step time of
+--steps after --warmup (compilation happens there), a step being forward + backward + optimizer
+step + the loss read back (the loop's one host sync). TFLOPS per device from
+megatron.model.sizes.model_flops_per_token (the formula the training log and the time model use),
+MFU against the device's peak dense rate in --precision (megatron.logging.throughput; `-` when
+unknown, e.g. on a CPU), peak memory (the GPU's max allocation, or the process's RSS on a CPU)
+over the timed steps. Ratios are taken against the hf and hf_compile rows of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron.build import compile_blocks
+from megatron.config.schema import ModelConfig, OptimizerConfig
+from megatron.engine import LocalEngine, autocast_dtype_of, lm_loss
+from megatron.logging.memory import peak_rss_bytes, reset_peak
+from megatron.logging.throughput import Throughput, device_peak_flops
+from megatron.model import GPTNeoX
+from megatron.model.sizes import model_flops_per_token
+
+ROWS = ("ours", "ours_compile", "hf", "hf_compile")
+# name: (layers, hidden, heads, seq, micro-batch, vocab); all parallel residual, rotary 0.5, untied
+SHAPES = {"1b": (16, 2048, 16, 2048, 8, 50432), "tiny": (2, 64, 4, 64, 2, 512)}
+PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "fp16", "fp32": "fp32"}
+
+
+def model_config(shape: tuple) -> ModelConfig:
+    layers, hidden, heads, seq, _micro, vocab = shape
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
+                       rotary_pct=0.5, gpt_j_residual=True, no_weight_tying=True, padded_vocab_size=vocab)
+
+
+def parse_shape(text: str) -> tuple:
+    if text in SHAPES:
+        return SHAPES[text]
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 6 or min(shape) < 1:
+        raise SystemExit(f"--shape: one of {', '.join(SHAPES)} or six positive integers "
+                         f"layers,hidden,heads,seq,micro_batch,vocab; got {text!r}")
+    return shape
+
+
+@dataclass
+class Row:
+    name: str
+    times: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    peak_bytes: Optional[int] = None
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
+
+
+def batches(shape: tuple, count: int, device: torch.device) -> list[dict]:
+    _layers, _hidden, _heads, seq, micro, vocab = shape
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (micro, seq + 1), generator=gen)
+        out.append({"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)})
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak()
+
+
+def peak_memory(device: torch.device) -> Optional[int]:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+
+
+def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], warmup: int,
+            device: torch.device) -> Row:
+    row = Row(name)
+    for i, batch in enumerate(data):
+        if i == warmup:
+            sync(device)
+            reset_memory(device)
+        start = time.perf_counter()
+        row.losses.append(float(step(batch)))  # the loop's one host sync per step
+        sync(device)
+        if i >= warmup:
+            row.times.append(time.perf_counter() - start)
+    row.peak_bytes = peak_memory(device)
+    return row
+
+
+def our_step(model: GPTNeoX, precision: str, device: torch.device, fused: bool) -> Callable:
+    opt = OptimizerConfig(lr=1e-4, weight_decay=0.01, gradient_clipping=1.0, fused=fused)
+    engine = LocalEngine(model, lm_loss, opt, precision, 1, device)
+
+    def step(batch: dict) -> torch.Tensor:
+        loss = engine.forward_backward(batch)
+        engine.optimizer_step(1e-4)
+        return loss
+    return step
+
+
+def hf_step(model: GPTNeoX, cfg: ModelConfig, precision: str, device: torch.device, compiled: bool) -> Callable:
+    from transformers import GPTNeoXForCausalLM
+    from megatron.checkpointing.hf import (HF_OUTPUT, HF_OUTPUT_IN_MEMORY, hf_config_from_model_config,
+                                           to_hf_state_dict)
+    hf = GPTNeoXForCausalLM(hf_config_from_model_config(cfg, cfg.padded_vocab_size))
+    weights = to_hf_state_dict(model.state_dict(), cfg)
+    weights[HF_OUTPUT_IN_MEMORY] = weights.pop(HF_OUTPUT)  # the file's name -> transformers' in-memory one
+    result = hf.load_state_dict(weights, strict=False)
+    if result.unexpected_keys or any("rotary" not in k for k in result.missing_keys):  # HF's own rotary buffers
+        raise SystemExit(f"the HF model did not take our weights: {result}")
+    hf.to(device).train()
+    forward = torch.compile(hf) if compiled else hf
+    decay = [p for p in hf.parameters() if p.ndim >= 2]
+    plain = [p for p in hf.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    dtype = autocast_dtype_of(precision)
+
+    def step(batch: dict) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = forward(input_ids=batch["tokens"]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def measure(rows: list[str], shape: tuple, precision: str, device: torch.device, steps: int, warmup: int,
+            fused: bool) -> list[Row]:
+    cfg = model_config(shape)
+    data = batches(shape, warmup + steps, device)
+    results = []
+    for name in rows:
+        torch.manual_seed(1234)
+        model = GPTNeoX(cfg, cfg.padded_vocab_size)  # the same initial weights for every row
+        if name.startswith("ours"):
+            model.to(device)
+            step = our_step(model, precision, device, fused)
+            if name == "ours_compile":
+                compile_blocks(model)
+        else:
+            step = hf_step(model, cfg, precision, device, compiled=name == "hf_compile")
+            del model
+        results.append(run_row(name, step, data, warmup, device))
+        print(f"  {name}: {results[-1].seconds:.4f} s/step, losses {results[-1].losses[0]:.4f} -> "
+              f"{results[-1].losses[-1]:.4f}", flush=True)
+        del step
+        gc.collect()
+        torch._dynamo.reset()  # each compiled row starts from an empty cache
+    return results
+
+
+def table(results: list[Row], shape: tuple, precision: str, device: torch.device) -> tuple[str, list[dict]]:
+    cfg = model_config(shape)
+    tokens = shape[3] * shape[4]
+    flops = model_flops_per_token(cfg, cfg.padded_vocab_size)
+    peak = device_peak_flops(device, precision)
+    by_name = {r.name: r for r in results}
+    head = (f"| row | s/step | tokens/s | TFLOPS | MFU | peak GB | vs hf | vs hf_compile | first loss | last loss |\n"
+            f"|---|---|---|---|---|---|---|---|---|---|")
+    lines, records = [head], []
+    for r in results:
+        speed = Throughput(tokens, r.seconds, flops, 1, peak)
+        ratio = {base: by_name[base].seconds / r.seconds if base in by_name else None for base in ("hf", "hf_compile")}
+        record = {"row": r.name, "s_per_step": r.seconds, "tokens_per_sec": speed.tokens_per_sec,
+                  "tflops": speed.flops_per_sec_per_gpu / 1e12, "mfu": speed.mfu, "peak_bytes": r.peak_bytes,
+                  "vs_hf": ratio["hf"], "vs_hf_compile": ratio["hf_compile"], "losses": r.losses}
+        records.append(record)
+        cell = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        lines.append(f"| {r.name} | {r.seconds:.4f} | {speed.tokens_per_sec:,.0f} | {record['tflops']:.4g} | "
+                     f"{cell(None if speed.mfu is None else 100 * speed.mfu, '.1f')}{'' if speed.mfu is None else '%'} | "
+                     f"{cell(None if r.peak_bytes is None else r.peak_bytes / 1e9, '.2f')} | "
+                     f"{cell(ratio['hf'], '.3f')} | {cell(ratio['hf_compile'], '.3f')} | "
+                     f"{r.losses[0]:.4f} | {r.losses[-1]:.4f} |")
+    return "\n".join(lines), records
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", default="1b", help=f"{', '.join(SHAPES)} or layers,hidden,heads,seq,micro,vocab")
+    parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument("--unfused-adamw", action="store_true", help="our rows with optimizer.params.fused false")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown or not rows:
+        raise SystemExit(f"--rows: choose from {', '.join(ROWS)}; got {args.rows!r}")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here; use --device cpu --shape tiny")
+    shape, precision = parse_shape(args.shape), PRECISIONS[args.precision]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_throughput: {name}, torch {torch.__version__}, shape (layers, hidden, heads, seq, micro, vocab) "
+          f"= {shape}, {precision}, {args.steps} steps after {args.warmup} warm-up", flush=True)
+    results = measure(rows, shape, precision, device, args.steps, args.warmup, fused=not args.unfused_adamw)
+    text, records = table(results, shape, precision, device)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": name, "torch": torch.__version__, "shape": shape, "precision": precision,
+                       "steps": args.steps, "warmup": args.warmup, "rows": records}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

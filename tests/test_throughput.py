@@ -1,0 +1,71 @@
+"""Throughput reporting: the peak table, MFU and the progress line; bench/gpu_throughput.py on a CPU
+(our step against Hugging Face's GPTNeoXForCausalLM from the same weights on the same batches)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.logging.metrics import ProgressLine
+from megatron.logging.throughput import Throughput, device_peak_flops, peak_flops_of
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bfloat16", 989e12), ("NVIDIA H100 80GB HBM3", "fp16", 989e12),
+    ("NVIDIA H100 PCIe", "bfloat16", 756.5e12), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+    ("AMD Instinct MI250X", "bfloat16", 191.5e12), ("AMD Instinct MI300X", "bfloat16", 1307.4e12),
+    ("NVIDIA GeForce RTX 4090", "bfloat16", None)])
+def test_peak_flops_by_device_name(name, precision, peak):
+    assert peak_flops_of(name, precision) == peak
+
+
+def test_peak_of_a_cpu_is_unknown_unless_configured():
+    assert device_peak_flops(torch.device("cpu"), "fp32") is None
+    assert device_peak_flops(torch.device("cpu"), "fp32", override_tflops=2.5) == 2.5e12
+
+
+def test_throughput_by_hand_and_the_progress_line():
+    # 8 sequences of 2048 tokens in 0.5 s on 4 ranks at 6e9 FLOPs/token: 32768 tok/s, 4.9152e13 per rank
+    speed = Throughput(tokens=8 * 2048, seconds=0.5, flops_per_token=6e9, ranks=4, peak_flops=98.304e12)
+    assert speed.tokens_per_sec == 32768
+    assert speed.flops_per_sec_per_gpu == pytest.approx(4.9152e13)
+    assert speed.mfu == pytest.approx(0.5)
+    line = ProgressLine(10).line(3, 2.5, 1e-4, 0.75, speed, 3 * 2**30)
+    assert "32,768 tok/s | 49.15 TFLOPS | MFU 50.0% | mem 3.00 GiB | ETA" in line
+    no_peak = ProgressLine(10).line(3, 2.5, 1e-4, 0.75, Throughput(16384, 0.5, 6e9, 4))
+    assert "MFU" not in no_peak and "mem" not in no_peak
+    assert set(Throughput(16384, 0.5, 6e9, 4).metrics()) == {
+        "runtime/tokens_per_sec", "runtime/iteration_time", "runtime/flops_per_sec_per_gpu"}
+
+
+def _bench(tmp_path, rows: str) -> dict:
+    spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "bench" / "gpu_throughput.py")
+    gpu_throughput = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_throughput  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_throughput)
+    out = tmp_path / "rows.json"
+    assert gpu_throughput.main(["--device", "cpu", "--shape", "tiny", "--precision", "fp32", "--rows", rows,
+                                "--steps", "3", "--warmup", "1", "--json", str(out)]) == 0
+    return {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_bench_our_step_trains_like_hugging_face(tmp_path, capsys):
+    """Same weights, same batches, fp32: our LocalEngine step and HF's model + fused AdamW give the
+    same losses step by step (so the benchmark times the same work), and the table prints."""
+    rows = _bench(tmp_path, "ours,hf")
+    assert rows["ours"]["losses"] == pytest.approx(rows["hf"]["losses"], rel=1e-5)
+    assert rows["ours"]["vs_hf"] > 0 and rows["hf"]["vs_hf"] == 1.0
+    assert rows["ours"]["tflops"] > 0 and rows["ours"]["mfu"] is None  # no peak known for a CPU
+    assert "| ours |" in capsys.readouterr().out
+
+
+def test_bench_compiled_blocks_train_like_eager(tmp_path):
+    """training.compile (each block through torch.compile) on one process: the eager trajectory."""
+    rows = _bench(tmp_path, "ours,ours_compile")
+    assert rows["ours_compile"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
