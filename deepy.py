@@ -24,8 +24,8 @@ import yaml
 from megatron.config import (ConfigError, NeoXConfig, config_to_dict, launch_environment_error, load_config,
                              save_config_json, world_size_of)
 from megatron.checkpointing.folders import save_folder_conflict
-from megatron.exit_codes import INTERNAL_ERROR, USAGE_ERROR
-from megatron.launcher import launch
+from megatron.launch.exit_codes import INTERNAL_ERROR, USAGE_ERROR
+from megatron.launch.launcher import launch
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yml"
 SCRIPTS_THAT_NEVER_SAVE = ("generate.py", "eval.py")  # docs/generate_eval.md
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(problem)
     if args.dry_run:
         from megatron.dry_run import render_dry_run
-        from megatron.launcher import plan_launch
-        from megatron.zero_topo.model_inputs import padded_vocab_of
+        from megatron.launch.launcher import plan_launch
+        from megatron.analytic.model_inputs import padded_vocab_of
         plan = plan_launch(cfg, script, str(run_config_path(cfg)), script_args, os.environ)
         sys.stdout.write(render_dry_run(cfg, plan, os.environ, padded_vocab_of(cfg)))
         return 0

@@ -12,8 +12,8 @@ import sys
 
 from megatron.build import user_errors
 from megatron.config import load_config_json
-from megatron.entry_point import run_script
-from megatron.exit_codes import SUCCESS
+from megatron.launch.entry_point import run_script
+from megatron.launch.exit_codes import SUCCESS
 from megatron.inference.evaluation import run_evaluation
 from megatron.inference.loading import load_inference_model, only_rank_zero_works
 

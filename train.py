@@ -1,6 +1,6 @@
 """Entry point run on every rank: `train.py --neox-config-json PATH` (deepy.py writes PATH once).
 
-Parse, build, train, close — everything else lives in megatron/ (megatron/entry_point.py: the
+Parse, build, train, close — everything else lives in megatron/ (megatron/launch/entry_point.py: the
 argument, the rank guard, exit codes, and why a rank leaves with os._exit once it is in a group).
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
-from megatron.entry_point import run_script
-from megatron.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
+from megatron.launch.entry_point import run_script
+from megatron.launch.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
 
 
 def exit_code(trainer) -> int:

@@ -22,14 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.topology.layout import display_name, preset_of_display_name  # noqa: E402
-from megatron.zero_topo.comm_model import (  # noqa: E402
+from megatron.analytic.comm_model import (  # noqa: E402
     PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
 from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.topology import Topology  # noqa: E402
 from megatron.model.sizes import unit_flops_per_token  # noqa: E402
-from megatron.zero_topo.hardware import Hardware  # noqa: E402
-from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, step_time  # noqa: E402
-from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
+from megatron.analytic.hardware import Hardware  # noqa: E402
+from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, step_time  # noqa: E402
+from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
 
 # Quantized variants: label -> (preset, DeepSpeed-style switches; bits follow engine.md's defaults).
 QUANTIZED = {"zero_topo-q": ("zero_topo", dict(quantized_weights=True, quantized_gradients=True)),
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
                             f"{compute:.2f}", f"{sum(flat.comm_s.values()):.2f}", f"{flat.total_s:.2f}",
                             f"{timed.total_s:.2f}"])
     heading("summary (inter-node GB per rank per step; x P = / parameters; states = model states per rank;"
-            " times from the step-time model, megatron/zero_topo/time_model.py, on Frontier's figures: compute s"
+            " times from the step-time model, megatron/analytic/time_model.py, on Frontier's figures: compute s"
             " = forward, backward, recompute and optimizer; step s = compute + comm, nothing overlapped;"
             " overlapped s = the engine's schedule, prefetched gathers and overlapped gradient reduction)",
             args.markdown)

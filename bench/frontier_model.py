@@ -6,11 +6,11 @@ figure set, beside the paper's ratios (docs/frontier-model.md).
     .venv/bin/python bench/frontier_model.py --figures frontier-measured --models 20B --micro-batches 1
 
 Per figure set (``nominal``: the topology's per-tier links; ``frontier-measured``: published RCCL on
-MI250X + Slingshot-11 measurements, megatron/zero_topo/figure_sets.py), model, micro-batch,
+MI250X + Slingshot-11 measurements, megatron/analytic/figure_sets.py), model, micro-batch,
 accumulation and node count, every configuration's predicted optimizer step (the shipped configs:
 configs/<model>.yml + the preset's yml, bf16, activation checkpointing on, topology.preset
 frontier). ZeRO-3 and ZeRO++ are DeepSpeed's, as DeepSpeed issues their collectives
-(megatron/zero_topo/deepspeed_model.py); ours run as our engine does (comm_model). The paper's four
+(megatron/analytic/deepspeed_model.py); ours run as our engine does (comm_model). The paper's four
 numbers set beside ours: ZeRO++ / ZeRO-3 (1.405), ZeRO-topo / ZeRO++ (1.71), ZeRO-topo / ZeRO-3 (2.40)
 and ZeRO-topo's weak-scaling efficiency from 8 to 48 nodes (0.94). Then what moves the ratio: each
 assumption of the frontier-measured set varied alone (a tornado chart), and the inter-node bandwidth
@@ -30,13 +30,13 @@ from pathlib import Path
 from megatron.config import load_config
 from megatron.model.sizes import activation_bytes, unit_parameter_shapes
 from megatron.topology import Topology
-from megatron.zero_topo.comm_model import groups_of_kind, step_collectives
-from megatron.zero_topo.deepspeed_model import deepspeed_collectives, on_deepspeed_schedule
-from megatron.zero_topo.figure_sets import FIGURE_SET_NAMES, Assumptions, frontier_curves
-from megatron.zero_topo.hardware import Hardware, TierLink
-from megatron.zero_topo.memory_model import device_peak_bytes, predict_peak_bytes
-from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
-from megatron.zero_topo.time_model import collectives_bytes_by_tier, scaling_efficiency, step_time
+from megatron.analytic.comm_model import groups_of_kind, step_collectives
+from megatron.analytic.deepspeed_model import deepspeed_collectives, on_deepspeed_schedule
+from megatron.analytic.figure_sets import FIGURE_SET_NAMES, Assumptions, frontier_curves
+from megatron.analytic.hardware import Hardware, TierLink
+from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
+from megatron.analytic.time_model import collectives_bytes_by_tier, scaling_efficiency, step_time
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9

@@ -6,7 +6,7 @@ compiled, on the same shape, weights and batches.
     .venv/bin/python bench/gpu_throughput.py --device cpu --shape tiny --precision fp32 --rows ours,hf
 
 Rows (``--rows``, in this order):
-  ours           the step `deepy.py train.py` runs on one device: megatron.engine.LocalEngine
+  ours           the step `deepy.py train.py` runs on one device: megatron.engine.SingleProcessEngine
                  (fp32 weights, autocast to --precision, AdamW as optimizer.params.fused says, clip 1.0)
   ours_compile   the same with training.compile (each block's forward through torch.compile)
   hf             GPTNeoXForCausalLM, the loop a user writes: fp32 weights, autocast, fused AdamW, clip 1.0
@@ -36,7 +36,7 @@ import torch
 
 from megatron.build import compile_blocks
 from megatron.config.schema import ModelConfig, OptimizerConfig
-from megatron.engine import LocalEngine, autocast_dtype_of, lm_loss
+from megatron.engine import SingleProcessEngine, autocast_dtype_of, lm_loss
 from megatron.logging.memory import peak_rss_bytes, reset_peak
 from megatron.logging.throughput import Throughput, device_peak_flops
 from megatron.model import GPTNeoX
@@ -124,7 +124,7 @@ def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], w
 
 def our_step(model: GPTNeoX, precision: str, device: torch.device, fused: bool) -> Callable:
     opt = OptimizerConfig(lr=1e-4, weight_decay=0.01, gradient_clipping=1.0, fused=fused)
-    engine = LocalEngine(model, lm_loss, opt, precision, 1, device)
+    engine = SingleProcessEngine(model, lm_loss, opt, precision, 1, device)
 
     def step(batch: dict) -> torch.Tensor:
         loss = engine.forward_backward(batch)
@@ -194,8 +194,8 @@ def table(results: list[Row], shape: tuple, precision: str, device: torch.device
     flops = model_flops_per_token(cfg, cfg.padded_vocab_size)
     peak = device_peak_flops(device, precision)
     by_name = {r.name: r for r in results}
-    head = (f"| row | s/step | tokens/s | TFLOPS | MFU | peak GB | vs hf | vs hf_compile | first loss | last loss |\n"
-            f"|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| row | s/step | tokens/s | TFLOPS | MFU | peak GB | vs hf | vs hf_compile | first loss | last loss |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines, records = [head], []
     for r in results:
         speed = Throughput(tokens, r.seconds, flops, 1, peak)

@@ -14,7 +14,7 @@ zero_topo on 2x2 by default, another world size and other factors) for one more 
 configuration's own overrides (quantization, error feedback). Every rank writes its measured peak
 resident set per phase (build, step, save, load; megatron/logging/memory.py); the table shows the
 largest rank's peak above its own baseline (the process after imports and data indices, before any
-model state: measured, and shown) next to the model's prediction (megatron/zero_topo/memory_model.py,
+model state: measured, and shown) next to the model's prediction (megatron/analytic/memory_model.py,
 predict_peak_bytes, with the activation estimate of megatron/model/sizes.py), and the ratio
 measured / predicted. The last table is the model's prediction per GCD for the paper's 20B on 48
 Frontier nodes, where it counts.
@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 from megatron.config import load_config  # noqa: E402
 from megatron.model.sizes import activation_bytes, parameter_count  # noqa: E402
 from megatron.topology import ShardLayout  # noqa: E402
-from megatron.zero_topo.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes  # noqa: E402
-from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
+from megatron.analytic.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes  # noqa: E402
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
 
 GB = 1e9
 BIG = ["configs/20B.yml", "configs/frontier.yml", "configs/zero_topo.yml", "configs/local_setup.yml"]

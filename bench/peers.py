@@ -177,7 +177,7 @@ class OursTrainer:
     peer = "ours"
 
     def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int):
-        from megatron.zero_topo.setup import engine_from_config
+        from megatron.engine.setup import engine_from_config
         self.cfg, self.shape, self.rank = cfg, shape, rank
         self.engine = engine_from_config(cfg, build_model(cfg, shape), lm_loss, shape.world_size)
         self.ledger = self.engine.ledger  # what this rank sent, by (phase, tier)

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron.config import load_config  # noqa: E402
-from megatron.zero_topo.comm_model import predict_ledger  # noqa: E402
-from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
+from megatron.analytic.comm_model import predict_ledger  # noqa: E402
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
 
 PRESETS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "zeropp", "zero_topo")  # configs/<name>.yml
 TIERS = ("intra_gpu", "intra_node", "inter_node")

@@ -34,9 +34,9 @@ import compare_peers  # noqa: E402
 import peers  # noqa: E402
 
 from megatron.topology import Topology  # noqa: E402
-from megatron.zero_topo.model_inputs import comm_spec_from_config, step_work_from_config  # noqa: E402
-from megatron.zero_topo.hardware import Hardware  # noqa: E402
-from megatron.zero_topo.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, step_time  # noqa: E402
+from megatron.analytic.model_inputs import comm_spec_from_config, step_work_from_config  # noqa: E402
+from megatron.analytic.hardware import Hardware  # noqa: E402
+from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, step_time  # noqa: E402
 
 DEFAULT_OUT = BENCH / "results" / "time_model.json"
 QUANT = compare_peers.QUANT
@@ -160,8 +160,8 @@ def _comm_revision() -> str:
     """The commit that last changed comm.py, and whether the working tree differs (the reduce-scatter)."""
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-    last = git("log", "-1", "--format=%h %s", "--", "megatron/zero_topo/comm.py")
-    dirty = bool(git("status", "--porcelain", "megatron/zero_topo/comm.py"))
+    last = git("log", "-1", "--format=%h %s", "--", "megatron/engine/comm.py")
+    dirty = bool(git("status", "--porcelain", "megatron/engine/comm.py"))
     return last + (" (+ uncommitted changes)" if dirty else "")
 
 

@@ -30,8 +30,8 @@ import torch.distributed as dist  # noqa: E402
 from megatron.topology import ProcessGroups, Topology  # noqa: E402
 from megatron.topology.groups import RankGroup  # noqa: E402
 from megatron.topology.layout import ShardFactors  # noqa: E402
-from megatron.zero_topo.comm import Communicator  # noqa: E402
-from megatron.zero_topo.ledger import ByteLedger  # noqa: E402
+from megatron.engine.comm import Communicator  # noqa: E402
+from megatron.engine.ledger import ByteLedger  # noqa: E402
 
 
 def tx_bytes() -> int:

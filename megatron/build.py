@@ -18,7 +18,7 @@ from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
-from megatron.engine import LocalEngine, lm_loss
+from megatron.engine import SingleProcessEngine, lm_loss
 from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
@@ -28,7 +28,7 @@ from megatron.training import Trainer
 
 def _user_errors() -> tuple:
     from megatron.topology import TopologyError
-    from megatron.zero_topo.flat_unit import EngineError
+    from megatron.engine.flat_unit import EngineError
     from megatron.numerics import NumericsError
     return (ConfigError, DataError, CheckpointError, TopologyError, EngineError, NumericsError)
 
@@ -140,10 +140,10 @@ def compile_blocks(model: GPTNeoX) -> None:
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
     if not runtime.distributed:
-        return LocalEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
+        return SingleProcessEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
                            cfg.training.gradient_accumulation_steps, runtime.device,
                            loss_scaling=LossScaleSettings.from_config(cfg.precision))
-    from megatron.zero_topo.setup import engine_from_config
+    from megatron.engine.setup import engine_from_config
     engine = engine_from_config(cfg, model, lm_loss, runtime.world_size, device=runtime.device,
                                 materialize=unit_materializer(model, cfg.checkpoint.load_hf))
     model.to_empty(device=runtime.device)  # what is left outside the units: the rotary tables

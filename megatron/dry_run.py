@@ -13,10 +13,10 @@ import shlex
 from typing import Mapping, Optional, Sequence
 
 from megatron.config import NeoXConfig, world_size_of
-from megatron.launcher import LaunchPlan, slurm_hosts
+from megatron.launch.launcher import LaunchPlan, slurm_hosts
 from megatron.topology import TIER_NAMES, ShardLayout, Topology
 from megatron.topology.allocation import allocation_from_env
-from megatron.zero_topo.planner import planned_config
+from megatron.analytic.planner import planned_config
 
 GB = 1e9
 # Sharded state by group kind, in the ladder's order (docs/engine.md, "Groups").
@@ -50,9 +50,9 @@ def render_dry_run(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str], pa
 def _time_section(cfg: NeoXConfig, padded_vocab: int) -> list[str]:
     """The step-time model's prediction for this run (docs/time_model.md): rough on a figure set,
     calibrated with topology.link_figures (a probe of the machine); names the figures it used."""
-    from megatron.zero_topo.model_inputs import (comm_spec_from_config, figures_note, hardware_from_config,
+    from megatron.analytic.model_inputs import (comm_spec_from_config, figures_note, hardware_from_config,
                                                  step_work_from_config)
-    from megatron.zero_topo.time_model import step_time
+    from megatron.analytic.time_model import step_time
     hw = hardware_from_config(cfg)
     note = figures_note(cfg)
     st = step_time(comm_spec_from_config(cfg, padded_vocab), hw, step_work_from_config(cfg, padded_vocab))
@@ -148,8 +148,8 @@ def _members(ranks: Sequence[int]) -> str:
 
 def _model_section(cfg: NeoXConfig, padded_vocab: Optional[int]) -> list[str]:
     from megatron.model.sizes import parameter_count
-    from megatron.zero_topo.memory_model import predict_model_state_bytes
-    from megatron.zero_topo.model_inputs import comm_spec_from_config
+    from megatron.analytic.memory_model import predict_model_state_bytes
+    from megatron.analytic.model_inputs import comm_spec_from_config
 
     m = cfg.model
     shape = f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}"

@@ -15,7 +15,6 @@ import torch
 
 from megatron.checkpointing.checkpointer import (Checkpointer, latest_step_dir, load_meta,
                                                  load_rank_state)
-from megatron.checkpointing.index import engine_gather
 from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_to_dict
 from megatron.engine import Engine
@@ -187,12 +186,7 @@ class Trainer:
     def _comm_metrics(self) -> dict:
         """The byte ledger since the last sync (this step, plus any eval or checkpoint traffic that
         came after the previous step), summed over ranks; the sync is itself counted."""
-        ledger = getattr(self.engine, "ledger", None)
-        if ledger is None:
-            return {}
-        totals = ledger.sync(self.engine.comm)
-        ledger.reset()
-        metrics = ledger.metrics(totals)
+        metrics = self.engine.comm_metrics()
         for key, value in metrics.items():
             self.comm_totals[key] = self.comm_totals.get(key, 0) + value
         return metrics
@@ -229,7 +223,7 @@ class Trainer:
             meta = {"consumed_samples": self.consumed_samples, "config": config_to_dict(self.cfg),
                     "numerics": self.numerics.state_dict()}
             # the piece lists travel to rank 0 for index.json by a small all-gather (no file reopened)
-            path = self.checkpointer.save(self.iteration, rank_state, meta, gather=engine_gather(self.engine))
+            path = self.checkpointer.save(self.iteration, rank_state, meta, gather=self.engine.gather_objects)
         self.last_saved_iteration = self.iteration  # only once written: a failed save raised above
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in path.iterdir())

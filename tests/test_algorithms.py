@@ -1,5 +1,5 @@
 """The engine's Communicator and the step-time model choose the same algorithm for every group kind
-(megatron/zero_topo/algorithms.py is the one choice; here the Communicator's real dispatch is
+(megatron/topology/algorithms.py is the one choice; here the Communicator's real dispatch is
 observed, by recording which torch.distributed call each collective makes)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 from megatron.topology import ProcessGroups, ShardFactors, Topology
 from megatron.topology import compat
-from megatron.zero_topo.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
+from megatron.topology.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
                                            RING_REDUCE_SCATTER, AlgorithmError, collective_algorithm)
-from megatron.zero_topo.comm import Communicator
-from megatron.zero_topo.time_model import algorithm_of
+from megatron.engine.comm import Communicator
+from megatron.analytic.time_model import algorithm_of
 
 
 class _Done:

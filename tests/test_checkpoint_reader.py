@@ -199,13 +199,13 @@ def test_old_format_checkpoint_loads_with_notice(zero3_run, tmp_path, capsys):
     process loads the 8-rank checkpoint through it exactly."""
     from megatron.checkpointing.checkpointer import load_meta
     from megatron.config import config_from_dict
-    from megatron.engine import LocalEngine, lm_loss
+    from megatron.engine import SingleProcessEngine, lm_loss
     from megatron.model import GPTNeoX
 
     step = _copy_step(zero3_run, tmp_path / "ck", drop_index=True)
     cfg = config_from_dict(load_meta(step)["config"])
     model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
-    engine = LocalEngine(model, lm_loss, cfg.optimizer, "fp32", 1, torch.device("cpu"))
+    engine = SingleProcessEngine(model, lm_loss, cfg.optimizer, "fp32", 1, torch.device("cpu"))
     reader = CheckpointReader(step)
     assert "has no index.json" in capsys.readouterr().out
     assert not reader.indexed and reader.scanned == list(range(8))
@@ -216,7 +216,7 @@ def test_old_format_checkpoint_loads_with_notice(zero3_run, tmp_path, capsys):
         assert torch.equal(param.detach(), full["params"][name]), name
         assert torch.equal(state["exp_avg"], full["exp_avg"][name]) and int(state["step"]) == 2
         assert torch.equal(state["exp_avg_sq"], full["exp_avg_sq"][name])
-    fresh = LocalEngine(GPTNeoX(cfg.model, cfg.model.padded_vocab_size), lm_loss, cfg.optimizer, "fp32", 1,
+    fresh = SingleProcessEngine(GPTNeoX(cfg.model, cfg.model.padded_vocab_size), lm_loss, cfg.optimizer, "fp32", 1,
                         torch.device("cpu"))
     fresh.load_checkpoint(CheckpointReader(step), weights_only=True)  # finetune: weights, no moments
     assert not fresh.optimizer.state
@@ -260,8 +260,8 @@ def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> 
     from megatron.engine import lm_loss
     from megatron.model import GPTNeoX
     from megatron.topology import ProcessGroups, Topology, preset_factors
-    from megatron.zero_topo import Communicator, ZeroTopoEngine, state_io
-    from megatron.zero_topo.quantized import QuantSettings
+    from megatron.engine import Communicator, ZeroTopoEngine, state_io
+    from megatron.engine.quantized import QuantSettings
 
     step_dir, legacy_dir = Path(step_dir), Path(legacy_dir)
     cfg = config_from_dict(load_meta(step_dir)["config"])

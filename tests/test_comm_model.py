@@ -8,7 +8,7 @@ head) stays gathered from its forward to its backward: it has no backward gather
 """
 import pytest
 
-from megatron.zero_topo.comm_model import (
+from megatron.analytic.comm_model import (
     CommModelError, CommSpec, QuantSpec, predict_ledger, predict_ledger_per_rank, transformer_block_units)
 
 UNITS = (100, 240, 240, 96)

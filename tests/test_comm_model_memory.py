@@ -1,8 +1,8 @@
 """Memory model against hand-computed tables, and GPT-NeoX unit sizes."""
 import pytest
 
-from megatron.zero_topo.comm_model import CommSpec
-from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes
+from megatron.analytic.comm_model import CommSpec
+from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes
 
 UNITS = (100, 240, 240, 96)
 LAYOUT = (2, 2, 2)
@@ -81,7 +81,7 @@ def test_unit_sizes_match_the_model(untied):
 
 
 def test_the_device_peak_leaves_out_the_host_terms():
-    from megatron.zero_topo.memory_model import device_peak_bytes
+    from megatron.analytic.memory_model import device_peak_bytes
     peaks = {"build": {"states": 10, "unit being built (host)": 7, "unit being built (device)": 3, "total": 20},
              "step": {"states": 10, "activations": 5, "total": 15},
              "save": {"states": 10, "checkpoint pieces": 9, "total": 19},

@@ -1,12 +1,12 @@
 """Structural properties of the communication model that hold for any unit sizes."""
 import pytest
 
-from megatron.zero_topo.comm_model import (
+from megatron.analytic.comm_model import (
     CommSpec, bytes_by_tier, groups_of_kind, predict_ledger, ring_hops, tier_between, transformer_block_units)
 from megatron.topology import Topology
-from megatron.zero_topo.hardware import Hardware, TierLink
-from megatron.zero_topo.time_model import COMPUTE, RECOMPUTE, StepWork, footprint, step_time
-from megatron.zero_topo.memory_model import neox_unit_sizes
+from megatron.analytic.hardware import Hardware, TierLink
+from megatron.analytic.time_model import COMPUTE, RECOMPUTE, StepWork, footprint, step_time
+from megatron.analytic.memory_model import neox_unit_sizes
 
 UNITS = (1000, 3333, 3333, 3333, 777)
 GATHERS = ("fwd_gather", "bwd_gather", "recompute_gather", "eval_gather")

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron.zero_topo.comm_model import (
+from megatron.analytic.comm_model import (
     CommModelError, CommSpec, QuantSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
     predict_ledger_per_rank, transformer_block_units)
 from megatron.topology import Topology
-from megatron.zero_topo.hardware import Hardware
-from megatron.zero_topo.time_model import StepWork, footprint, step_time
-from megatron.zero_topo.memory_model import neox_unit_sizes, predict_model_state_bytes
+from megatron.analytic.hardware import Hardware
+from megatron.analytic.time_model import StepWork, footprint, step_time
+from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes
 
 UNITS = (100, 240, 240, 96)
 LAYOUT = (2, 2, 2)

@@ -53,9 +53,9 @@ def test_tiny_cpu_is_the_single_process_reference():
 def test_paper_zero_topo_preset_quantizes_all_but_the_cross_hop():
     """configs/zero_topo_paper.yml: INT8 gathers and refresh, INT4 in-node hops, and the cross hop an
     unquantized all-reduce, as the engine (QuantSettings) and the models (comm_spec_from_config) see it."""
-    from megatron.zero_topo.comm_model import ALLREDUCE, step_collectives
-    from megatron.zero_topo.model_inputs import comm_spec_from_config
-    from megatron.zero_topo.quantized import QuantSettings
+    from megatron.analytic.comm_model import ALLREDUCE, step_collectives
+    from megatron.analytic.model_inputs import comm_spec_from_config
+    from megatron.engine.quantized import QuantSettings
     cfg = load("tiny-cpu.yml", "sim-2x2x2.yml", "zero_topo_paper.yml")
     assert (cfg.zero.resolved_preset, cfg.zero.resolved_factors) == ("zero_topo", [2, 4, 8])
     quant = QuantSettings.from_config(cfg.zero)

@@ -16,8 +16,8 @@ import torch
 from dist_harness import run_ranks
 from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.comm_model import CommSpec, padded_unit_numels, predict_ledger
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.analytic.comm_model import CommSpec, padded_unit_numels, predict_ledger
 from test_engine import OPT, build_model
 
 LAYOUT, WORLD = [2, 2], 4

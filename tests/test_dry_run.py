@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from megatron.config import load_config
-from megatron.launcher import launch, plan_launch
+from megatron.launch.launcher import launch, plan_launch
 
 BIG = ["configs/20B.yml", "configs/frontier.yml", "configs/zero_topo.yml", "configs/local_setup.yml"]
 # GPT-NeoX-20B as published (Hugging Face EleutherAI/gpt-neox-20b): 20,554,567,680 parameters with

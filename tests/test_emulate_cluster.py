@@ -177,7 +177,7 @@ def test_ledger_inter_node_bytes_match_the_interfaces(network, tmp_path, tiny_co
     """4 steps on 2 nodes x 2 ranks, an evaluation and a checkpoint every 2 steps. The ledger is
     synced after every step and logged (log_interval 1) before that step's evaluation and save, so
     the last evaluation and save are never logged: they equal the ones logged at step 3 less a
-    plain step (step 4). The reduce-scatters are ours on CPU (megatron/zero_topo/comm.py: an
+    plain step (step 4). The reduce-scatters are ours on CPU (megatron/engine/comm.py: an
     all-to-all within one tier, a ring across tiers), so they send what the ledger charges; gloo's
     own (an all-reduce, 2x) would fail the lower bound by ~50% for zero_topo."""
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=4, train_micro_batch_size_per_gpu=2, log_interval=1,

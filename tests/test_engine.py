@@ -15,8 +15,8 @@ from megatron.config.schema import ModelConfig, OptimizerConfig
 from megatron.engine import adamw_param_groups, lm_loss
 from megatron.model import GPTNeoX
 from megatron.topology import ProcessGroups, ShardFactors, Topology
-from megatron.zero_topo import Communicator, EngineError, ZeroTopoEngine
-from megatron.zero_topo.optimizer import AdamWHyper, adamw_update
+from megatron.engine import Communicator, EngineError, ZeroTopoEngine
+from megatron.engine.optimizer import AdamWHyper, adamw_update
 
 VOCAB, SEQ, MICRO_BSZ, SEED = 32, 8, 2, 1234
 # Parity settings: a small lr keeps Adam from amplifying the rounding noise of gradients that cancel to
@@ -114,7 +114,7 @@ def test_adamw_slice_equals_torch_adamw_elementwise():
 def test_fused_adamw_slices_equal_torch_fused_adamw_bitwise():
     """fused_adamw_update on flat slices cut anywhere (several units, decay runs, padding) ==
     torch.optim.AdamW(fused=True) on the separate parameters, bit for bit."""
-    from megatron.zero_topo.optimizer import fused_adamw_update, plain_ranges
+    from megatron.engine.optimizer import fused_adamw_update, plain_ranges
     gen = torch.Generator().manual_seed(1)
     shapes = [(6, 5), (5,), (3, 4), (7,), (17, 3), (2,)]
     params = [torch.randn(s, generator=gen) for s in shapes]
@@ -252,7 +252,7 @@ def test_refuses_parameters_outside_units_and_bad_calls():
 
 
 def test_refuses_an_unknown_or_quantized_cross_node_reduction():
-    from megatron.zero_topo.quantized import QuantSettings
+    from megatron.engine.quantized import QuantSettings
     groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
     for how, quant in (("ring", None), ("all_reduce", QuantSettings(cross_bits=4))):
         model = build_model()
@@ -263,7 +263,7 @@ def test_refuses_an_unknown_or_quantized_cross_node_reduction():
 
 def test_engine_from_config_one_process():
     from megatron.config.schema import NeoXConfig
-    from megatron.zero_topo.setup import engine_from_config
+    from megatron.engine.setup import engine_from_config
 
     cfg = NeoXConfig()
     cfg.zero.stage, cfg.training.gradient_accumulation_steps, cfg.optimizer = 3, 1, OPT

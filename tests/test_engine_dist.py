@@ -16,7 +16,7 @@ from dist_harness import RankFailure, run_ranks
 from megatron.checkpointing.param_slices import assemble
 from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, Topology, preset_factors, validate_factors
-from megatron.zero_topo import Communicator, EngineError, ZeroTopoEngine
+from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
 
 STEPS, ACCUM = 3, 2
@@ -69,7 +69,7 @@ def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: in
         out = engine.optimizer_step(lr)
         losses.append(engine.all_reduce_sum([sum(local)])[0] / (world_size * accum))
         norms.append(out["grad_norm"])
-        ledgers.append(comm.ledger.sync(comm))
+        ledgers.append(comm.sync_ledger())
     return {"losses": losses, "norms": norms, "ledgers": ledgers}
 
 

@@ -26,8 +26,8 @@ from megatron.config.schema import NeoXConfig, OptimizerConfig, ZeroConfig
 from megatron.engine import lm_loss
 from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.zero_topo import Communicator, EngineError, ZeroTopoEngine
-from megatron.zero_topo.quantized import (QuantizedCollectives, QuantSettings, merge_messages, message_bytes,
+from megatron.engine import Communicator, EngineError, ZeroTopoEngine
+from megatron.engine.quantized import (QuantizedCollectives, QuantSettings, merge_messages, message_bytes,
                                           pack_messages, qgz_swizzle, unpack_messages)
 from test_engine import build_model, make_batch
 
@@ -128,7 +128,7 @@ def test_qgz_swizzle_puts_node_chunks_of_each_local_rank_together():
 
 
 def test_engine_from_config_quantized_one_process():
-    from megatron.zero_topo.setup import engine_from_config
+    from megatron.engine.setup import engine_from_config
     cfg = NeoXConfig()
     cfg.optimizer, cfg.training.gradient_accumulation_steps = TRAIN_OPT, 1
     cfg.zero.zero_quantized_weights = cfg.zero.zero_quantized_gradients = True
@@ -161,7 +161,7 @@ def _train(engine: ZeroTopoEngine, rank: int, steps: int) -> dict:
         local = engine.forward_backward(make_batch(step % POOL, 0, rank)).item()
         norms.append(engine.optimizer_step(LR)["grad_norm"])
         losses.append(engine.all_reduce_sum([local])[0] / WORLD)
-        ledgers.append(comm.ledger.sync(comm))
+        ledgers.append(comm.sync_ledger())
     return {"losses": losses, "norms": norms, "ledgers": ledgers}
 
 

@@ -19,11 +19,11 @@ from dist_harness import run_ranks
 from megatron.config.schema import OptimizerConfig
 from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, RankGroup, Topology, preset_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.comm_model import CommSpec, QuantSpec
-from megatron.zero_topo.memory_model import predict_model_state_bytes
-from megatron.zero_topo.comm import Pending
-from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.analytic.comm_model import CommSpec, QuantSpec
+from megatron.analytic.memory_model import predict_model_state_bytes
+from megatron.engine.comm import Pending
+from megatron.engine.quantized import QuantizedCollectives, QuantSettings
 from test_engine import build_model, make_batch
 
 BLOCK = 64

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_run_config
-from megatron.exit_codes import SUCCESS, USAGE_ERROR
+from megatron.launch.exit_codes import SUCCESS, USAGE_ERROR
 
 LAUNCH_LINE = re.compile(r"deepy: \d+ rank\(s\), launcher ")
 

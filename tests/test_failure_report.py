@@ -10,9 +10,9 @@ import time
 from types import SimpleNamespace
 
 from megatron.config import load_config
-from megatron.failure_report import FirstError, RankEnd, headline, how_it_ended, peer_failure, root_cause
-from megatron.launcher import run_local, script_command
-from megatron.rank_output import RankOutput
+from megatron.launch.failure_report import FirstError, RankEnd, headline, how_it_ended, peer_failure, root_cause
+from megatron.launch.launcher import run_local, script_command
+from megatron.launch.rank_output import RankOutput
 
 GLOO_RESET = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:59573: Connection reset by peer. This is typically caused by a remote worker hanging")

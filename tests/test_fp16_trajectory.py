@@ -2,7 +2,7 @@
 
 No NaN is injected: the loss scale starts at 2**28, far too high for the tiny model, and halves on
 each overflow (DeepSpeed's defaults otherwise: window 1000, hysteresis 2) until the gradients fit.
-The single-process reference is LocalEngine on the same global batch (micro-batch N x m, A
+The single-process reference is SingleProcessEngine on the same global batch (micro-batch N x m, A
 micro-batches): its per-sample gradient factor is scale / (A N m). The ZeRO-topo engine's default
 ``gradient_predivide_factor`` (N) gives each rank the same factor, so the same steps overflow and
 the scale follows the same trajectory; before, the rank's backward ran on loss x scale, N x A times
@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from dist_harness import REPO_ROOT, TESTS_DIR, run_ranks
-from megatron.engine import LocalEngine, adamw_param_groups, lm_loss
+from megatron.engine import SingleProcessEngine, adamw_param_groups, lm_loss
 from megatron.loss_scale import LossScaleSettings
 from megatron.topology import ProcessGroups, ShardFactors, Topology, preset_factors
-from megatron.zero_topo import Communicator, EngineError, ZeroTopoEngine
+from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from test_engine import LR, MICRO_BSZ, OPT, build_model, global_batch, make_batch
 
 LAYOUT, WORLD, ACCUM, STEPS = [2, 2], 4, 2, 14
@@ -70,7 +70,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    engine = LocalEngine(build_model(), lm_loss, OPT, "fp16", ACCUM, torch.device("cpu"), loss_scaling=SCALING)
+    engine = SingleProcessEngine(build_model(), lm_loss, OPT, "fp16", ACCUM, torch.device("cpu"), loss_scaling=SCALING)
     return _trajectory(engine, lambda step, micro: global_batch(step, micro, WORLD))
 
 

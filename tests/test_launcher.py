@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron.config import ConfigError, load_config, load_config_json
-from megatron.launcher import (FRONTIER_ENV, deepspeed_command, first_slurm_host, launch, run_local,
+from megatron.launch.launcher import (FRONTIER_ENV, deepspeed_command, first_slurm_host, launch, run_local,
                                script_command, slurm_env, srun_command)
 
 REPO = Path(__file__).resolve().parents[1]

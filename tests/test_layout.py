@@ -13,12 +13,12 @@ from conftest import REPO
 from megatron.config import ConfigError, load_config
 from megatron.config.schema import ZeroConfig
 from megatron.dry_run import render_dry_run
-from megatron.launcher import plan_launch
+from megatron.launch.launcher import plan_launch
 from megatron.topology import ProcessGroups, ShardChunks, ShardFactors, ShardLayout, Topology, TopologyError
 from megatron.topology.layout import NAMED_PRESETS, STAGE_PRESETS, display_name, preset_of_display_name
-from megatron.zero_topo.comm_model import CommModelError, CommSpec, groups_of_kind
-from megatron.zero_topo.model_inputs import comm_spec_from_config
-from megatron.zero_topo.setup import layout_and_topology
+from megatron.analytic.comm_model import CommModelError, CommSpec, groups_of_kind
+from megatron.analytic.model_inputs import comm_spec_from_config
+from megatron.engine.setup import layout_and_topology
 
 # (w, g, os) of every preset, by hand from docs/engine.md "Presets": N ranks, R per node, f the
 # fastest tier's size; stage k, hsdp = (R, R, R), zero_topo = (f, R, N), zeropp = (N, N, N).
@@ -139,13 +139,15 @@ def test_display_names_are_the_config_files_of_the_presets():
     assert [display_name(p) for p in STAGE_PRESETS] == ["ddp", "zero1", "zero2", "zero3"]
 
 
-def test_the_comm_model_imports_no_engine_module():
-    """It checks the engine's byte ledger: it may share the layout, never the engine's code."""
-    tree = ast.parse((REPO / "megatron" / "zero_topo" / "comm_model.py").read_text())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    forbidden = {f"megatron.zero_topo.{m}" for m in ("engine", "flat_unit", "quantized", "comm", "state_io")}
-    assert not imported & forbidden and not any(m.startswith("megatron.ops") for m in imported)
+def test_no_analytic_model_imports_the_engine():
+    """The models check the engine's byte ledger and memory: they may share the layout and the
+    names, never the engine's code (nor the quantization kernels)."""
+    for path in sorted((REPO / "megatron" / "analytic").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        bad = {m for m in imported if m == "megatron.engine" or m.startswith(("megatron.engine.", "megatron.ops"))}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
 # ------------------------------------------------------------- every reader of a config agrees
@@ -206,7 +208,7 @@ def test_engine_records_the_layout_it_was_built_on():
     from megatron.config.schema import NeoXConfig
     from megatron.engine import lm_loss
     from megatron.model import GPTNeoX
-    from megatron.zero_topo.setup import engine_from_config
+    from megatron.engine.setup import engine_from_config
 
     cfg = NeoXConfig()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.no_weight_tying = 1, 32, True

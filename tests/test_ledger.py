@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.topology import ProcessGroups, RankGroup, ShardFactors, Topology
-from megatron.zero_topo import PHASES, TIERS, ByteLedger, CommError, Communicator, LedgerError
+from megatron.engine import PHASES, TIERS, ByteLedger, CommError, Communicator, LedgerError
 
 
 def comm_for(rank: int, layout=(2, 2, 2), factors=(2, 4, 8)) -> Communicator:
@@ -55,6 +55,14 @@ def test_all_to_all_charges_every_peer():
     assert comm.charge("all_to_all", 800, world, "grad_reduce") == {"intra_gpu": 100, "intra_node": 200, "inter_node": 400}
 
 
+def test_broadcast_charges_a_chain_from_the_first_member():
+    """Each member but the last forwards all B bytes to the next one (7 bytes: no divisibility)."""
+    world = RankGroup("world", tuple(range(8)))
+    sent = {rank: comm_for(rank).charge("broadcast", 7, world, "checkpoint") for rank in range(8)}
+    assert sent == {0: {"intra_gpu": 7}, 1: {"intra_node": 7}, 2: {"intra_gpu": 7}, 3: {"inter_node": 7},
+                    4: {"intra_gpu": 7}, 5: {"intra_node": 7}, 6: {"intra_gpu": 7}, 7: {}}
+
+
 def test_single_rank_groups_record_nothing_and_copy():
     comm = comm_for(3)
     alone = RankGroup("replica", (3,))
@@ -78,7 +86,7 @@ def test_indivisible_buffers_and_unknown_names_are_refused():
     with pytest.raises(LedgerError, match="unknown ledger phase"):
         comm.charge("all_gather", 8, pair, "warmup")
     with pytest.raises(CommError, match="unknown collective"):
-        comm.charge("broadcast", 8, pair, "control")
+        comm.charge("scatter", 8, pair, "control")
 
 
 def test_ledger_move_reset_and_metrics():

@@ -1,7 +1,7 @@
 """Proofs 1 and 2 of the ZeRO-topo engine: the byte ledger equals the comm model, and the model states
 the engine holds equal the memory model — exactly, in integers, entry by entry.
 
-The engine (megatron/zero_topo/engine.py, comm.py, ledger.py) and the analytic model
+The engine (megatron/engine/zero_topo.py, comm.py, ledger.py) and the analytic model
 (comm_model.py, memory_model.py) are two independent statements of docs/engine.md. Here the real
 engine trains the real GPTNeoX on gloo ranks in the trainer's order, and the parent process compares
 what it measured with ``predict_ledger`` / ``predict_ledger_per_rank`` / ``predict_model_state_bytes``:
@@ -32,11 +32,11 @@ from megatron.config.schema import ModelConfig
 from megatron.engine import lm_loss
 from megatron.model import GPTNeoX, unit_parameter_counts
 from megatron.topology import ProcessGroups, Topology, preset_factors, validate_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.comm_model import (CommSpec, QuantSpec, padded_unit_numels, predict_ledger,
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.analytic.comm_model import (CommSpec, QuantSpec, padded_unit_numels, predict_ledger,
                                            predict_ledger_per_rank, transformer_block_units)
-from megatron.zero_topo.memory_model import predict_model_state_bytes
-from megatron.zero_topo.quantized import QuantSettings
+from megatron.analytic.memory_model import predict_model_state_bytes
+from megatron.engine.quantized import QuantSettings
 from test_engine import LR, OPT
 
 # A model whose units are 420, 1509 and 444 elements: none a multiple of 8, the block none of 4.
@@ -44,7 +44,7 @@ VOCAB, SEQ, MICRO_BSZ, SEED = 35, 8, 2, 4321
 MODEL_FIELDS = dict(num_layers=2, hidden_size=12, num_attention_heads=2, seq_length=SEQ, intermediate_size=33,
                     no_weight_tying=True)
 LAYOUTS = {"eight": (2, 2, 2), "four": (2, 2)}
-# Engine category (megatron/zero_topo/state_io.py) -> memory-model category (memory_model.py).
+# Engine category (megatron/engine/state_io.py) -> memory-model category (memory_model.py).
 MEMORY_CATEGORIES = {"weights": "weights", "secondary": "zeropp_secondary", "grad_accum": "grad_accumulator",
                      "master": "master", "moments": "moments", "error_feedback": "error_feedback"}
 
@@ -161,7 +161,7 @@ def _evaluate(engine: ZeroTopoEngine, rank: int, eval_iters: int) -> None:
 def _close_window(engine: ZeroTopoEngine) -> dict:
     """``Trainer._comm_metrics``: sync (which charges itself first) and reset; also keep this rank's
     own counters, the sync included, for the per-rank comparison."""
-    totals = engine.ledger.sync(engine.comm)
+    totals = engine.comm.sync_ledger()
     own = engine.ledger.snapshot()
     engine.ledger.reset()
     return {"totals": totals, "own": own}

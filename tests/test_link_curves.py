@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from megatron.topology import Topology
-from megatron.zero_topo.comm_model import ALL_TO_ALL, ALLGATHER, REDUCE_SCATTER, CommModelError, CommSpec, QuantSpec
-from megatron.zero_topo.deepspeed_model import DeepSpeedSettings, deepspeed_collectives
-from megatron.zero_topo.figure_sets import FIGURE_SETS, SOURCES, Assumptions, frontier_curves
-from megatron.zero_topo.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
-from megatron.zero_topo.hardware import Device, Hardware, LinkCurve, TierLink, group_shape
-from megatron.zero_topo.time_model import StepWork, footprint, footprint_time_s, step_time
+from megatron.analytic.comm_model import ALL_TO_ALL, ALLGATHER, REDUCE_SCATTER, CommModelError, CommSpec, QuantSpec
+from megatron.analytic.deepspeed_model import DeepSpeedSettings, deepspeed_collectives
+from megatron.analytic.figure_sets import FIGURE_SETS, SOURCES, Assumptions, frontier_curves
+from megatron.topology.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
+from megatron.analytic.hardware import Device, Hardware, LinkCurve, TierLink, group_shape
+from megatron.analytic.time_model import StepWork, footprint, footprint_time_s, step_time
 
 SLOW = {"inter_node": TierLink(1.0, 100.0), "intra_node": TierLink(1.0, 100.0), "intra_gpu": TierLink(1.0, 100.0)}
 DEVICE = Device("toy", 1000.0, 100.0, 1e9, 0.0, 1e12)
@@ -115,7 +115,7 @@ def test_assumptions_move_only_what_they_say():
 
 
 def test_a_probe_curve_replaces_the_published_one(tmp_path):
-    from megatron.zero_topo.hardware import PROBE_FORMAT
+    from megatron.analytic.hardware import PROBE_FORMAT
     probe = {"format": PROBE_FORMAT, "curves": {"ring_allgather": {"world": {"points": [[1024, 2.0], [2048, 4.0]]}}}}
     hw = Hardware.from_topology(Topology.preset("frontier", 2), figures="frontier-measured").with_probe(probe, "p")
     # between (1 KiB, 2 GB/s) and (2 KiB, 4 GB/s) the rate is proportional to the step bytes on log-log axes

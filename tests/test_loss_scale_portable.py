@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from megatron.checkpointing.param_slices import assemble
-from megatron.engine import LocalEngine, lm_loss
+from megatron.engine import SingleProcessEngine, lm_loss
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings, portable_loss_scale
 from test_engine import OPT, build_model, make_batch, single_rank_engine
 
 
-def _local(precision: str) -> LocalEngine:
-    return LocalEngine(build_model(), lm_loss, OPT, precision, 1, torch.device("cpu"))
+def _local(precision: str) -> SingleProcessEngine:
+    return SingleProcessEngine(build_model(), lm_loss, OPT, precision, 1, torch.device("cpu"))
 
 
-def _trained_local() -> LocalEngine:
+def _trained_local() -> SingleProcessEngine:
     engine = _local("fp16")
     engine.loss_scale.scale = 1024.0             # a scale that differs from every default
     engine.forward_backward(make_batch(0, 0, 0))

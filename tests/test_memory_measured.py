@@ -13,8 +13,8 @@ import pytest
 from conftest import run_deepy, tiny_run_config
 from megatron.config import load_config
 from megatron.logging.memory import PhasePeaks, peak_rss_bytes, reset_peak
-from megatron.zero_topo.memory_model import predict_peak_bytes
-from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of
+from megatron.analytic.memory_model import predict_peak_bytes
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
 
 
 def test_phase_peaks_see_an_allocation_and_reset():
@@ -52,7 +52,7 @@ def test_fp32_first_hops_are_counted_in_fp32_by_hand():
     """bf16 compute with fp32_allreduce: stage 3 on 2x2x2 has w = 8, a weight group over both nodes, so
     its first gradient hop runs in fp32; zero_topo's w = 2 is a GCD pair and stays in bf16. Units
     (100, 240, 240, 96) padded to N = 8: the largest is 240."""
-    from megatron.zero_topo.comm_model import CommSpec
+    from megatron.analytic.comm_model import CommSpec
     zero3 = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="stage3", compute_bytes=2,
                                         fp32_allreduce=True))["step"]
     # synchronous: the bf16 unit gradient 240 x 2, its fp32 cast 240 x 4, the hop's fp32 output 240/8 x 4
@@ -70,7 +70,7 @@ def test_fp32_first_hops_are_counted_in_fp32_by_hand():
 def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""
-    from megatron.zero_topo.comm_model import CommSpec, QuantSpec
+    from megatron.analytic.comm_model import CommSpec, QuantSpec
     peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), (2, 2, 2), preset="zero_topo", compute_bytes=2))
     # states: weights 680/2 x 2 = 680, accumulator 680/4 x 4 = 680, master 85 x 4 = 340, moments 680
     # build: the 240-unit's fp32 parameters on the host (P x 4), its fp32 staging and bf16 flat

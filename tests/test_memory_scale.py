@@ -44,8 +44,8 @@ import pytest
 from conftest import run_deepy, tiny_run_config
 from megatron.config import load_config
 from megatron.model.sizes import activation_bytes, parameter_count
-from megatron.zero_topo.memory_model import predict_peak_bytes
-from megatron.zero_topo.model_inputs import comm_spec_from_config, padded_vocab_of
+from megatron.analytic.memory_model import predict_peak_bytes
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
 
 SIZE_ENV = "NEOX_MEMORY_SCALE_MODEL"
 DEFAULT_SIZE = "16x1536"  # 0.45B parameters: the largest round shape this 24 GiB machine holds

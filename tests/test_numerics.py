@@ -25,13 +25,13 @@ import torch
 
 from dist_harness import run_ranks
 from megatron.config.schema import NeoXConfig
-from megatron.engine import LocalEngine, lm_loss
+from megatron.engine import SingleProcessEngine, lm_loss
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.numerics import SPIKE_WARMUP_STEPS, NumericsWatch
 from megatron.runtime import Runtime
 from megatron.topology import ProcessGroups, Topology, preset_factors
 from megatron.training import Trainer
-from megatron.zero_topo import Communicator, ZeroTopoEngine
+from megatron.engine import Communicator, ZeroTopoEngine
 from test_engine import MICRO_BSZ, OPT, SEQ, VOCAB, build_model, tiny_cfg
 
 SCALING = LossScaleSettings(enabled=True, initial_scale_power=10, window=3, hysteresis=2)
@@ -78,7 +78,7 @@ def test_fp16_block_is_read_and_checked():
         LossScaleSettings.from_precision("fp16", {"loss_scale_window": 0})
 
 
-def _poison_local(engine: LocalEngine) -> None:
+def _poison_local(engine: SingleProcessEngine) -> None:
     next(engine.model.parameters()).grad.view(-1)[0] = float("nan")
 
 
@@ -153,7 +153,7 @@ def _train(engine, poison, rank: int, world_size: int, log_dir: str) -> dict:
 
 
 def _local_run(precision: str, log_dir: str) -> dict:
-    engine = LocalEngine(build_model(), lm_loss, OPT, precision, 1, torch.device("cpu"),
+    engine = SingleProcessEngine(build_model(), lm_loss, OPT, precision, 1, torch.device("cpu"),
                          loss_scaling=SCALING if precision == "fp16" else None)
     return _train(engine, lambda: _poison_local(engine), 0, 1, log_dir)
 
@@ -234,7 +234,7 @@ def test_loss_scale_and_skipped_steps_reach_the_metrics_every_step(tmp_path):
     fp16 from 2**22 overflows naturally, so the scale halves exactly after each skipped step
     (hysteresis 1) until it fits."""
     scaling = LossScaleSettings(enabled=True, initial_scale_power=22, window=1000, hysteresis=1)
-    engine = LocalEngine(build_model(), lm_loss, OPT, "fp16", 1, torch.device("cpu"), loss_scaling=scaling)
+    engine = SingleProcessEngine(build_model(), lm_loss, OPT, "fp16", 1, torch.device("cpu"), loss_scaling=scaling)
     trainer = Trainer(_config(str(tmp_path), log_interval=5, train_iters=12), Runtime(0, 1, 0, torch.device("cpu")),
                       engine, _Samples(), None)
     trainer.fit()
@@ -254,7 +254,7 @@ def test_a_gradient_norm_beyond_fp32_skips_the_step_in_both_engines():
     fp32 norm is inf there, so the single-process engine skips the step; the ZeRO-topo engine used
     to crash putting that sum into its fp32 norm vector (exit 1 mid-run) and now skips it too."""
     from megatron.topology import ShardFactors
-    local = LocalEngine(build_model(), lm_loss, OPT, "fp32", 1, torch.device("cpu"))
+    local = SingleProcessEngine(build_model(), lm_loss, OPT, "fp32", 1, torch.device("cpu"))
     groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
     model = build_model()
     sharded = ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), 1)

@@ -1,4 +1,4 @@
-"""Overlapped, bucketed gradient reduction (megatron/zero_topo/grad_reduce.py, engine hooks).
+"""Overlapped, bucketed gradient reduction (megatron/engine/grad_reduce.py, engine hooks).
 
 One 4-rank launch (2 nodes x 2 ranks) trains every case four times: overlap off/on, with one piece
 per unit and with small buckets (many pieces per unit). Judged here:
@@ -16,9 +16,9 @@ import torch
 from dist_harness import run_ranks
 from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.grad_reduce import ReductionWindow, column_ranges, piece_of
-from megatron.zero_topo.quantized import QuantSettings
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.engine.grad_reduce import ReductionWindow, column_ranges, piece_of
+from megatron.engine.quantized import QuantSettings
 from test_engine import LR, OPT, build_model, make_batch
 
 LAYOUT, STEPS, ACCUM = [2, 2], 2, 2

@@ -1,4 +1,4 @@
-"""The planner (megatron/zero_topo/planner.py, tools/plan.py, zero_optimization.plan: auto): it only
+"""The planner (megatron/analytic/planner.py, tools/plan.py, zero_optimization.plan: auto): it only
 ever proposes layouts that nest and fit, the best it marks is the fastest of those, and a run with
 plan auto trains under the layout it logs."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 
 from conftest import REPO, run_deepy, tiny_run_config
 from megatron.config import ConfigError, load_config
-from megatron.zero_topo.comm_model import QuantSpec
-from megatron.zero_topo.planner import (PlanInputs, apply_plan, candidate_layouts, plan_for_config, planned_config,
+from megatron.analytic.comm_model import QuantSpec
+from megatron.analytic.planner import (PlanInputs, apply_plan, candidate_layouts, plan_for_config, planned_config,
                                         search)
-from megatron.zero_topo.hardware import Device, Hardware, TierLink
-from megatron.zero_topo.time_model import StepWork
+from megatron.analytic.hardware import Device, Hardware, TierLink
+from megatron.analytic.time_model import StepWork
 
 UNITS = (20_000, 60_000, 60_000, 60_000, 30_000)  # embedding, 3 blocks, head
 

@@ -1,4 +1,4 @@
-"""Prefetching the next unit's weight gather (megatron/zero_topo/prefetch.py, engine hooks).
+"""Prefetching the next unit's weight gather (megatron/engine/prefetch.py, engine hooks).
 
 One 4-rank launch (2 nodes x 2 ranks) trains each case twice, prefetch on and off, and records the
 order of gather issues, gather waits, unit forwards and gradient reductions on rank 0. Judged here:
@@ -16,9 +16,9 @@ import torch
 from dist_harness import run_ranks
 from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
-from megatron.zero_topo.prefetch import PassOrder
-from megatron.zero_topo.quantized import QuantSettings
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.engine.prefetch import PassOrder
+from megatron.engine.quantized import QuantSettings
 from test_engine import LR, OPT, build_model, make_batch
 
 LAYOUT, STEPS, ACCUM = [2, 2], 2, 2

@@ -14,7 +14,7 @@ from dist_harness import run_ranks
 sys.path.insert(0, str(REPO / "tools"))
 import probe_links  # noqa: E402
 
-from megatron.zero_topo.hardware import Hardware, PROBE_FORMAT  # noqa: E402
+from megatron.analytic.hardware import Hardware, PROBE_FORMAT  # noqa: E402
 
 
 def test_the_fit_recovers_latency_and_bandwidth_from_exact_points():

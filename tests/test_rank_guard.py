@@ -1,4 +1,4 @@
-"""megatron/rank_guard.py on small processes: a rank exits when its launcher is gone (already gone at
+"""megatron/launch/rank_guard.py on small processes: a rank exits when its launcher is gone (already gone at
 start, or gone later with no prctl: the watchdog), and a stop signal its handler cannot act on
 still ends it (a second SIGTERM, or the grace time after the first)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.exit_codes import LAUNCHER_GONE
-from megatron.rank_guard import EXIT_WITH_PARENT, STOP_GRACE
+from megatron.launch.exit_codes import LAUNCHER_GONE
+from megatron.launch.rank_guard import EXIT_WITH_PARENT, STOP_GRACE
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 # self-deadlocked pthread mutex never returns on a signal, so Python's handler never runs.
 STUCK_RANK = textwrap.dedent("""\
     import ctypes, os, signal
-    from megatron.rank_guard import guard_rank
+    from megatron.launch.rank_guard import guard_rank
     guard_rank(os.environ)
     requests = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):  # as the trainer's StopRequest: a request only
@@ -39,7 +39,7 @@ STUCK_RANK = textwrap.dedent("""\
 ORPHANING_PARENT = textwrap.dedent("""\
     import os, subprocess, sys
     child = subprocess.Popen([sys.executable, "-c",
-                              "import os, time; from megatron.rank_guard import guard_rank; "
+                              "import os, time; from megatron.launch.rank_guard import guard_rank; "
                               "guard_rank(os.environ); print('ready', flush=True); time.sleep(120)"],
                              stdout=subprocess.PIPE, stderr=open(sys.argv[1], "w"), text=True)
     child.stdout.readline()
@@ -63,7 +63,7 @@ def alive(pid: int) -> bool:
 
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     # pid 1 is never this test's pid: as if deepy died between starting the rank and its prctl.
-    proc = subprocess.run([sys.executable, "-c", "import os; from megatron.rank_guard import guard_rank; "
+    proc = subprocess.run([sys.executable, "-c", "import os; from megatron.launch.rank_guard import guard_rank; "
                            "guard_rank(os.environ); print('survived')"],
                           env=guarded_env(**{EXIT_WITH_PARENT: "1"}), capture_output=True, text=True, timeout=60)
     assert proc.returncode == LAUNCHER_GONE and "survived" not in proc.stdout
@@ -138,7 +138,7 @@ def test_a_forked_childs_sigterms_are_not_the_parents():
     """A data worker forked from a guarded rank, SIGTERMed twice, must not end its parent."""
     script = textwrap.dedent("""\
         import os, signal, time
-        from megatron.rank_guard import guard_rank
+        from megatron.launch.rank_guard import guard_rank
         guard_rank(os.environ)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
         child = os.fork()

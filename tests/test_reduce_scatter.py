@@ -1,4 +1,4 @@
-"""The Communicator's own reduce-scatter on gloo (megatron/zero_topo/comm.py): the sum against one
+"""The Communicator's own reduce-scatter on gloo (megatron/engine/comm.py): the sum against one
 computed here in float64 from every rank's input, for every kind of group of a 2 x 2 x 2 cluster —
 one-tier groups (a GCD pair, a stride group, the cross-node group: all-to-all + local sum) and groups spanning
 tiers (a node, the world: the ring) — in fp32 and bf16, started asynchronously with other
@@ -10,7 +10,7 @@ import torch
 
 from dist_harness import run_ranks
 from megatron.topology import ProcessGroups, ShardFactors, Topology
-from megatron.zero_topo import Communicator
+from megatron.engine import Communicator
 
 LAYOUT = (2, 2, 2)
 FACTORS = (2, 4, 8)  # weight = a GCD pair, stride = the pairs of a node, cross = one per node

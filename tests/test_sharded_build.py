@@ -16,7 +16,7 @@ from megatron.checkpointing.hf import hf_config_dict, to_hf_state_dict
 from megatron.engine import lm_loss
 from megatron.model import GPTNeoX
 from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.zero_topo import Communicator, ZeroTopoEngine
+from megatron.engine import Communicator, ZeroTopoEngine
 from test_engine import OPT, SEED, VOCAB, tiny_cfg
 
 

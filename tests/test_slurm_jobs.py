@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_run_config, train_losses
-from megatron.exit_codes import STOPPED_SAVED
-from megatron.launcher import free_port
+from megatron.launch.exit_codes import STOPPED_SAVED
+from megatron.launch.launcher import free_port
 
 SCRIPTS = sorted((REPO / "tools" / "slurm").rglob("*.sbatch")) + sorted((REPO / "tools" / "slurm").rglob("*.sh"))
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, tiny_run_config, train_losses
-from megatron.launcher import free_port
+from megatron.launch.launcher import free_port
 from test_slurm_jobs import fake_slurm, sbatch_like, srun_calls  # noqa: F401  (fake_slurm: a fixture)
 
 SCRIPT = REPO / "tools/slurm/frontier/loss_curves.sbatch"

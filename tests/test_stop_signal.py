@@ -1,5 +1,5 @@
 """Slurm's warning signal (SIGTERM/SIGUSR1) -> every rank saves at the same step and exits with the
-code that tells the job script to requeue (megatron/exit_codes.py), and deepy exits with it too."""
+code that tells the job script to requeue (megatron/launch/exit_codes.py), and deepy exits with it too."""
 import signal
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, tiny_run_config
-from megatron.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED
+from megatron.launch.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED
 
 SIMULATED_4 = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero_topo.yml")]
 

@@ -56,7 +56,7 @@ def _bench(tmp_path, rows: str) -> dict:
 
 
 def test_bench_our_step_trains_like_hugging_face(tmp_path, capsys):
-    """Same weights, same batches, fp32: our LocalEngine step and HF's model + fused AdamW give the
+    """Same weights, same batches, fp32: our SingleProcessEngine step and HF's model + fused AdamW give the
     same losses step by step (so the benchmark times the same work), and the table prints."""
     rows = _bench(tmp_path, "ours,hf")
     assert rows["ours"]["losses"] == pytest.approx(rows["hf"]["losses"], rel=1e-5)

@@ -1,4 +1,4 @@
-"""The step-time model (megatron/zero_topo/time_model.py) against values worked out by hand.
+"""The step-time model (megatron/analytic/time_model.py) against values worked out by hand.
 
 Each expected number below is written as the arithmetic a reader would do on paper from the
 algorithm's definition (a ring over k ranks takes k - 1 steps and moves (k - 1)/k of the buffer
@@ -11,11 +11,11 @@ import math
 
 import pytest
 
-from megatron.zero_topo.comm_model import (ALLGATHER, REDUCE_SCATTER, CommModelError,
+from megatron.analytic.comm_model import (ALLGATHER, REDUCE_SCATTER, CommModelError,
                                            CommSpec, QuantSpec, bytes_by_tier, predict_ledger)
-from megatron.zero_topo.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
-from megatron.zero_topo.hardware import PROBE_FORMAT, Device, Hardware, TierLink
-from megatron.zero_topo.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
+from megatron.topology.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
+from megatron.analytic.hardware import PROBE_FORMAT, Device, Hardware, TierLink
+from megatron.analytic.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
                                            footprint_time_s, ledger_bytes_by_tier, scaling_efficiency, step_time)
 
 # Round figures so the hand arithmetic stays readable: bytes/s into one domain, seconds per step.

@@ -22,7 +22,7 @@ unlimited (the in-node tier), even when they address each other by the veth's ad
 rate is emulated; netem (delay, loss) is not available here (docs/emulated_cluster.md).
 
 The ranks. Rank r runs on node r // R as `ip netns exec <ns> COMMAND` with the local launcher's
-environment (megatron.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+environment (megatron.launch.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 NEOX_TOPO_SIMULATED for a simulated layout, NEOX_TOPO_EXIT_WITH_PARENT=<this pid>, thread and
 malloc settings), with LOCAL_RANK = r % R and LOCAL_WORLD_SIZE = R instead of the single-host
 values, GLOO_SOCKET_IFNAME=<run>n<node> (gloo binds to the node's interface) and MASTER_ADDR =
@@ -71,7 +71,7 @@ from typing import Optional, Sequence, TextIO
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron.launcher import exit_code_of, local_rank_env, script_command  # noqa: E402
+from megatron.launch.launcher import exit_code_of, local_rank_env, script_command  # noqa: E402
 
 USAGE = 2
 UNAVAILABLE = 69  # EX_UNAVAILABLE (sysexits.h)

@@ -10,7 +10,7 @@ Per node count: each candidate's quantization bits per phase (weight gathers / m
 hops / cross-node gradients / refresh; 0 = the compute dtype), activation checkpointing, the
 memory model's peak per device, the bytes one rank sends per step on each tier, the predicted step
 time and model TFLOPS per device (and, for the best, the step's seconds by phase); ``*`` marks the best candidate that fits the memory budget (the
-same search ``zero_optimization.plan: auto`` runs, megatron/zero_topo/planner.py). The summary gives
+same search ``zero_optimization.plan: auto`` runs, megatron/analytic/planner.py). The summary gives
 the best per node count and its scaling efficiency against the smallest count. Link and device
 figures are --figures' (auto: frontier-measured on --topology frontier, docs/frontier-model.md), with
 a probe's (tools/probe_links.py) on top with --probe.
@@ -28,13 +28,13 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.config import ConfigError, load_config  # noqa: E402
 from megatron.topology import Topology  # noqa: E402
-from megatron.zero_topo.comm_model import CommModelError  # noqa: E402
-from megatron.zero_topo.figure_sets import FIGURE_SET_NAMES  # noqa: E402
-from megatron.zero_topo.model_inputs import figure_set_of, figures_note, padded_vocab_of, quant_spec_of  # noqa: E402
-from megatron.zero_topo.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
+from megatron.analytic.comm_model import CommModelError  # noqa: E402
+from megatron.analytic.figure_sets import FIGURE_SET_NAMES  # noqa: E402
+from megatron.analytic.model_inputs import figure_set_of, figures_note, padded_vocab_of, quant_spec_of  # noqa: E402
+from megatron.analytic.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
                                         search)
-from megatron.zero_topo.hardware import Hardware  # noqa: E402
-from megatron.zero_topo.time_model import scaling_efficiency  # noqa: E402
+from megatron.analytic.hardware import Hardware  # noqa: E402
+from megatron.analytic.time_model import scaling_efficiency  # noqa: E402
 
 TIER_COLUMNS = ("inter_node", "intra_node", "intra_gpu")
 

@@ -51,11 +51,11 @@ import torch.distributed as dist  # noqa: E402
 from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.topology import ProcessGroups, ShardFactors, Topology  # noqa: E402
 from megatron.topology.groups import RankGroup  # noqa: E402
-from megatron.zero_topo.comm import Communicator  # noqa: E402
-from megatron.zero_topo.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
+from megatron.engine.comm import Communicator  # noqa: E402
+from megatron.analytic.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
 from megatron.model.sizes import unit_flops_per_token  # noqa: E402
-from megatron.zero_topo.hardware import PROBE_FORMAT, group_shape  # noqa: E402
-from megatron.zero_topo.time_model import algorithm_of, footprint  # noqa: E402
+from megatron.analytic.hardware import PROBE_FORMAT, group_shape  # noqa: E402
+from megatron.analytic.time_model import algorithm_of, footprint  # noqa: E402
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 MODEL_OP = {"all_gather": "allgather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
@@ -183,8 +183,8 @@ class Probe:
     def checks(self, fits: dict, samples: list) -> list:
         """The spanning groups timed (their samples from ``links`` where it took them), beside the
         fitted model's prediction."""
-        from megatron.zero_topo.hardware import Device, Hardware, tier_link
-        from megatron.zero_topo.time_model import footprint_time_s
+        from megatron.analytic.hardware import Device, Hardware, tier_link
+        from megatron.analytic.time_model import footprint_time_s
         tiers = dict(fits.get("ring_allgather", {}))
         if not tiers:  # one device: no link was fitted, none to check
             return []
@@ -239,7 +239,7 @@ class Probe:
 
     def device_figures(self, fits: dict) -> dict:
         from megatron.ops.quant import get_quantizer
-        from megatron.zero_topo.optimizer import AdamWHyper, adamw_update
+        from megatron.engine.optimizer import AdamWHyper, adamw_update
         model, tokens, flops = self.model()
         compute_s = self.timed_all(lambda: self.forward_backward(model, tokens), self.args.repeats)
         n = self.args.optimizer_elements

@@ -126,7 +126,7 @@ class Checkpointer:
         fails raises CheckpointError: nothing of it is committed and `latest` is unchanged.
 
         ``gather(obj)`` (optional, collective): every rank's ``obj`` in rank order, at least on rank 0
-        (megatron.checkpointing.index.comm_gather); it brings the ranks' piece lists to rank 0 for
+        (``Engine.gather_objects``); it brings the ranks' piece lists to rank 0 for
         ``index.json`` without reopening their files. Without it rank 0 reads each file's list once.
         """
         final = self.save_dir / step_name(iteration)

@@ -9,7 +9,7 @@ the engine-state entries every rank saves alike (`shared`: loss scaler, factors,
 
 Who writes it: rank 0, after every rank file is written and before `meta.json` commits the step
 (megatron/checkpointing/checkpointer.py). Rank 0 learns the piece lists by an all-gather of each
-rank's list through the engine's Communicator (`comm_gather`: a few KB per rank, charged to the
+rank's list through the engine (`Engine.gather_objects`: a few KB per rank, charged to the
 ledger phase `checkpoint`), so nothing is reopened; a caller that gives no gather function (tests,
 tools) makes rank 0 read each file's piece list once instead (`scan_rank_file`, torch.load with
 mmap=True: the pickle, not the tensor bytes). A checkpoint written before index.json existed is
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 
 from megatron.checkpointing.checkpointer import CheckpointError, rank_file, read_rank_file
 from megatron.checkpointing.param_slices import FORMAT, PER_RANK
@@ -123,33 +121,3 @@ def scan_step(step_dir: Path, world_size: int, on_open: Callable[[int], None] = 
     if first is None:
         raise CheckpointError(f"{step_dir} holds no rank state")
     return build_index(entries, first, world_size)
-
-
-def comm_gather(comm, group) -> Gather:
-    """An all-gather of small picklable objects over ``group`` (the world) through the engine's
-    Communicator, charged to the ledger phase ``checkpoint``; returns every member's object."""
-    def gather(obj) -> list:
-        device = comm.device
-        raw = pickle.dumps(obj)
-        words = -(-len(raw) // 8)
-        mine = torch.zeros(words * 8, dtype=torch.uint8)
-        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        lengths = torch.zeros(group.size, dtype=torch.int64, device=device)
-        comm.all_gather(lengths, torch.tensor([len(raw)], dtype=torch.int64, device=device), group, "checkpoint")
-        longest = max(-(-int(lengths.max()) // 8), 1)
-        send = torch.zeros(longest, dtype=torch.int64)
-        send[:words] = mine.view(torch.int64)
-        out = torch.empty(longest * group.size, dtype=torch.int64, device=device)
-        comm.all_gather(out, send.to(device), group, "checkpoint")
-        table = out.cpu().view(group.size, longest)
-        sizes = lengths.cpu().tolist()
-        return [pickle.loads(table[i].view(torch.uint8)[:sizes[i]].numpy().tobytes()) for i in range(group.size)]
-    return gather
-
-
-def engine_gather(engine) -> Optional[Gather]:
-    """The gather for ``engine``'s world (ZeroTopoEngine: its Communicator); None for one process."""
-    comm, groups = getattr(engine, "comm", None), getattr(engine, "groups", None)
-    if comm is None or groups is None or groups.world.size == 1:
-        return None
-    return comm_gather(comm, groups.world)

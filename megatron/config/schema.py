@@ -200,7 +200,7 @@ class ZeroConfig:
                                   key="zero_optimization.reduce_bucket_size", ge=1)
     reduce_buckets_in_flight: int = doc(2, "With overlap_comm: most gradient pieces issued and not yet added to the accumulator (each holds its gradient and its hop buffers), like the gather prefetch's bound.",
                                         key="zero_optimization.reduce_buckets_in_flight", ge=1)
-    plan: Optional[str] = doc(None, "auto: choose the shard factors (every nested [w, g, os], and ZeRO++) at start-up with the step-time model (megatron/zero_topo/planner.py; docs/time_model.md): the shortest predicted step whose memory peak fits plan_memory_per_device_gb, with the figures of topology.figure_set and topology.link_figures. Rank 0 logs the plan, why, and the figure set it used. Excludes stage, preset, shard_factors and zero_hpz_partition_size.",
+    plan: Optional[str] = doc(None, "auto: choose the shard factors (every nested [w, g, os], and ZeRO++) at start-up with the step-time model (megatron/analytic/planner.py; docs/time_model.md): the shortest predicted step whose memory peak fits plan_memory_per_device_gb, with the figures of topology.figure_set and topology.link_figures. Rank 0 logs the plan, why, and the figure set it used. Excludes stage, preset, shard_factors and zero_hpz_partition_size.",
                               key="zero_optimization.plan", choices=("auto",))
     plan_quantize: bool = doc(False, "With plan auto: the planner may also choose quantization bits per phase (none, INT4/INT8 at the step boundary only, or INT8 weights + INT4 gradients); false keeps the configured quantization.",
                               key="zero_optimization.plan_quantize")
@@ -221,7 +221,7 @@ class TopologyConfig:
                                    key="topology.simulate")
     link_figures: Optional[str] = doc(None, "A link probe JSON (tools/probe_links.py, or written by hand: docs/time_model.md) whose per-tier bandwidths and latencies, per-(algorithm, group shape) curves, per-algorithm figures and device rates replace those of topology.figure_set in the step-time model (the planner of zero_optimization.plan auto, deepy --dry-run).",
                                       key="topology.link_figures")
-    figure_set: str = doc("auto", "The step-time model's starting figures (docs/frontier-model.md): nominal (the topology's per-tier link figures and the device table), frontier-measured (published RCCL measurements on MI250X + Slingshot-11, megatron/zero_topo/figure_sets.py), or auto: frontier-measured on topology.preset frontier, nominal elsewhere. topology.link_figures applies on top.",
+    figure_set: str = doc("auto", "The step-time model's starting figures (docs/frontier-model.md): nominal (the topology's per-tier link figures and the device table), frontier-measured (published RCCL measurements on MI250X + Slingshot-11, megatron/analytic/figure_sets.py), or auto: frontier-measured on topology.preset frontier, nominal elsewhere. topology.link_figures applies on top.",
                           key="topology.figure_set", choices=("auto", "nominal", "frontier-measured"))
     layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, or under launcher slurm without a preset the allocation's nodes x tasks (or GPUs) per node); None for one process.",
                                  key="topology.layout", derived=True)

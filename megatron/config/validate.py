@@ -281,7 +281,7 @@ def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
         if z.cross_node_reduction == "all_reduce":
             raise ctx.error("zero.cross_node_reduction", "all_reduce is set together with plan: auto, whose step-time "
                             "model scores the reduce-scatter only", "remove one of the two")
-        z.resolved_factors, z.resolved_preset = None, None  # megatron.zero_topo.planner.planned_config
+        z.resolved_factors, z.resolved_preset = None, None  # megatron.analytic.planner.planned_config
         return
     for target in ("zero.plan_quantize", "zero.plan_memory_per_device_gb"):
         if ctx.given(target):

@@ -49,7 +49,7 @@ class InferenceModel:
         return autocast_dtype_of(self.cfg.precision.precision) or torch.float32
 
     def autocast(self):
-        """The training run's compute precision (LocalEngine's autocast), so losses compare."""
+        """The training run's compute precision (SingleProcessEngine's autocast), so losses compare."""
         dtype = autocast_dtype_of(self.cfg.precision.precision)
         if dtype is None:
             return contextlib.nullcontext()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from megatron.topology.layout import display_name
-from megatron.zero_topo.comm_model import QuantSpec
+from megatron.analytic.comm_model import QuantSpec
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_LOSS = "train/lm_loss"

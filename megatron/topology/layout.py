@@ -169,7 +169,7 @@ class ShardLayout:
         zero = cfg.zero
         if getattr(zero, "plan", None) == "auto" and zero.shard_factors is None and zero.preset is None:
             raise TopologyError("zero_optimization.plan auto: the layout is chosen at start-up; read it from the "
-                                "config megatron.zero_topo.planner.planned_config returns")
+                                "config megatron.analytic.planner.planned_config returns")
         return cls.resolve(cfg.topology.layout or SINGLE_PROCESS, zero.stage, zero.preset, zero.shard_factors)
 
     @classmethod

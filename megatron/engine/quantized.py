@@ -19,9 +19,9 @@ import torch
 from megatron.ops.quant import DEFAULT_BLOCK, QuantizationError, codes_numel, get_quantizer
 from megatron.ops.quant.select import IMPLS
 from megatron.topology.groups import RankGroup
-from megatron.zero_topo.comm import Communicator, Pending
-from megatron.zero_topo.flat_unit import EngineError
-from megatron.zero_topo.grad_reduce import Chain, run_to_end
+from megatron.engine.comm import Communicator, Pending
+from megatron.engine.flat_unit import EngineError
+from megatron.engine.grad_reduce import Chain, run_to_end
 
 WEIGHT_BITS = (0, 8)      # weights and refresh: INT8 or not quantized
 GRAD_BITS = (0, 4, 8)     # gradient hops may also use packed INT4
@@ -210,7 +210,7 @@ class QuantizedCollectives:
 
     def reduce_chain(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
                      bits: int, residual_scale: float = 1.0) -> Chain:
-        """``reduce`` as a chain (megatron/zero_topo/grad_reduce.py): yields each issued all-to-all."""
+        """``reduce`` as a chain (megatron/engine/grad_reduce.py): yields each issued all-to-all."""
         if not hops:
             return x.float()
         codes, scales = self.encode(x, bits, hops[0][1], residual_scale)

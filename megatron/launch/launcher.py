@@ -3,11 +3,11 @@
 - local: this machine; one process per rank of the configured layout (1 without one), with the
   torchrun-style environment RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
   MASTER_PORT, plus NEOX_TOPO_SIMULATED=1 for a simulated layout and NEOX_TOPO_EXIT_WITH_PARENT=<this
-  pid> (ranks exit if deepy dies: megatron/rank_guard.py). One command, one exit code: when a rank
+  pid> (ranks exit if deepy dies: megatron/launch/rank_guard.py). One command, one exit code: when a rank
   fails, the others are stopped and the root cause's code is returned. Every rank's output passes
-  through here line by line (megatron/rank_output.py: to the console, and in full to a log file per
+  through here line by line (megatron/launch/rank_output.py: to the console, and in full to a log file per
   rank); a failure ends with the first failed rank's error, once, and one line per other rank
-  (megatron/failure_report.py).
+  (megatron/launch/failure_report.py).
 - slurm: an `srun` command line (block distribution, one GPU per task bound to the closest
   cores, `-c7` on Frontier), executed in place of this process inside the allocation; tasks get
   NEOX_TOPO_EXIT_WITH_PARENT=any.
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from megatron.config import ConfigError, NeoXConfig, world_size_of
-from megatron.failure_report import RankEnd, headline, how_it_ended, root_cause, where_it_was, where_the_logs_are
-from megatron.rank_guard import EXIT_WITH_PARENT
-from megatron.rank_output import RankOutput
-from megatron.exit_codes import STOP_CODES
+from megatron.launch.failure_report import RankEnd, headline, how_it_ended, root_cause, where_it_was, where_the_logs_are
+from megatron.launch.rank_guard import EXIT_WITH_PARENT
+from megatron.launch.rank_output import RankOutput
+from megatron.launch.exit_codes import STOP_CODES
 
 DEFAULT_MASTER_PORT = 29500
 # Frontier settings from OLCF's documentation; applied only where the environment has none.
@@ -78,7 +78,7 @@ def local_rank_env(base: Mapping[str, str], rank: int, world_size: int, master_a
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                PYTHONUNBUFFERED="1")  # output is piped through deepy: let lines arrive as printed
-    env[EXIT_WITH_PARENT] = str(launcher_pid)  # a rank never outlives deepy (megatron/rank_guard.py)
+    env[EXIT_WITH_PARENT] = str(launcher_pid)  # a rank never outlives deepy (megatron/launch/rank_guard.py)
     env.pop("NEOX_TOPO_SIMULATED", None)
     if simulated:
         env["NEOX_TOPO_SIMULATED"] = "1"
@@ -179,7 +179,7 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
               rank_output: str = "all", console: Optional[TextIO] = None, errors: Optional[TextIO] = None,
               grace_s: float = 10.0, log_folder: Optional[Path] = None) -> int:
     """Run `command` once per rank on this machine; 0 when all succeed (a stop code of
-    megatron/exit_codes.py when they stopped on a signal), else the root cause's code."""
+    megatron/launch/exit_codes.py when they stopped on a signal), else the root cause's code."""
     console, errors = console or sys.stdout, errors or sys.stderr
     if rank_output not in ("all", "errors"):
         raise ValueError(f"rank_output must be 'all' or 'errors', not {rank_output!r}")
@@ -338,7 +338,7 @@ def slurm_env(cfg: NeoXConfig, env: Mapping[str, str], master_addr: Optional[str
     if addr:
         out["MASTER_ADDR"] = addr
     out["MASTER_PORT"] = str(cfg.launcher.master_port or env.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
-    out[EXIT_WITH_PARENT] = "any"  # each task exits if its slurmstepd is gone (megatron/rank_guard.py)
+    out[EXIT_WITH_PARENT] = "any"  # each task exits if its slurmstepd is gone (megatron/launch/rank_guard.py)
     if cfg.topology.preset == "frontier":
         for key, value in FRONTIER_ENV.items():
             out.setdefault(key, value)

@@ -12,7 +12,7 @@ from typing import Optional
 from megatron.config import pad_vocab_size
 from megatron.model.sizes import unit_flops_per_token, unit_parameter_counts
 from megatron.topology.layout import CUSTOM, ShardLayout
-from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
+from megatron.analytic.comm_model import CommSpec, QuantSpec, transformer_block_units
 
 
 def padded_vocab_of(cfg) -> Optional[int]:
@@ -55,7 +55,7 @@ def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
 
 def step_work_from_config(cfg, padded_vocab: int):
     """The compute of one step of the configured run (``time_model.StepWork``)."""
-    from megatron.zero_topo.time_model import StepWork
+    from megatron.analytic.time_model import StepWork
     tokens = (cfg.training.train_micro_batch_size_per_gpu or 1) * cfg.model.seq_length
     return StepWork(tokens, unit_flops_per_token(cfg.model, padded_vocab),
                     prefetch_gathers=bool(cfg.zero.prefetch_gathers), overlap_comm=bool(cfg.zero.overlap_comm))
@@ -87,7 +87,7 @@ def hardware_from_config(cfg, world_size: Optional[int] = None):
     (a probe file) when set."""
     from megatron.config import world_size_of
     from megatron.topology import Topology
-    from megatron.zero_topo.hardware import Hardware
+    from megatron.analytic.hardware import Hardware
     topology = Topology.from_config(cfg, world_size or world_size_of(cfg))
     hw = Hardware.from_topology(topology, backend=backend_of(cfg), figures=figure_set_of(cfg))
     probe = cfg.topology.link_figures

@@ -1,5 +1,5 @@
 """From a validated config to a running engine, in the documented order:
-the plan (``zero_optimization.plan: auto``, megatron/zero_topo/planner.py) -> shard layout + topology -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
+the plan (``zero_optimization.plan: auto``, megatron/analytic/planner.py) -> shard layout + topology -> process groups -> communicator (+ ledger) -> quantization settings -> engine.
 
 The trainer calls ``engine_from_config`` once after ``init_process_group``; nothing here is global.
 """
@@ -14,11 +14,11 @@ from megatron.logging.metrics import log_print
 from megatron.loss_scale import LossScaleSettings
 from megatron.topology import ProcessGroups, ShardLayout, Topology, TopologyError
 from megatron.topology.layout import tiers_of
-from megatron.zero_topo.comm import Communicator
-from megatron.zero_topo.engine import Materialize, ZeroTopoEngine
-from megatron.zero_topo.model_inputs import figures_note
-from megatron.zero_topo.planner import planned_config
-from megatron.zero_topo.quantized import QuantSettings
+from megatron.engine.comm import Communicator
+from megatron.engine.zero_topo import Materialize, ZeroTopoEngine
+from megatron.analytic.model_inputs import figures_note
+from megatron.analytic.planner import planned_config
+from megatron.engine.quantized import QuantSettings
 
 
 def engine_from_config(cfg, model: nn.Module, loss_fn: Callable, world_size: int,

@@ -8,7 +8,7 @@ death that comes after it. Under srun (NEOX_TOPO_EXIT_WITH_PARENT=any) the paren
 the launcher, so there is no pid to check and no prctl: slurmstepd starts the tasks, and the kernel
 ties the signal to the thread that started a process, which this code does not control. In both
 cases a watchdog thread compares os.getppid() with the parent once a second and exits the process
-(LAUNCHER_GONE = 3, megatron/exit_codes.py, after one line on stderr) when the rank has been handed
+(LAUNCHER_GONE = 3, megatron/launch/exit_codes.py, after one line on stderr) when the rank has been handed
 to init or a subreaper; it is what works where prctl does not (not Linux, or the signal refused).
 Without the variable (train.py started by hand, `nohup`) nothing is watched. Under srun the watchdog
 fires when slurmstepd dies; a `kill -9` of srun itself leaves slurmstepd (the parent) alive, so the
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Mapping, Optional
 
-from megatron.exit_codes import LAUNCHER_GONE
+from megatron.launch.exit_codes import LAUNCHER_GONE
 
 EXIT_WITH_PARENT = "NEOX_TOPO_EXIT_WITH_PARENT"  # <launcher pid>, or "any" (whatever parent started us)
 STOP_GRACE = "NEOX_TOPO_STOP_GRACE_S"  # seconds after a SIGTERM before a hard exit; 0 = only a second signal

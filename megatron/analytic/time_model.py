@@ -7,7 +7,7 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   a ring all-reduce (2(k - 1)), an all-to-all (k - 1 messages per rank); a reduce-scatter is the
   native ring on NCCL/RCCL, and on gloo one all-to-all plus a local sum when every pair of members
   is separated by the same tier, else a ring of k - 1 isend/irecv steps that completes before the
-  call returns, so it overlaps nothing (megatron/zero_topo/comm.py).
+  call returns, so it overlaps nothing (megatron/engine/comm.py).
   Its time is ``steps x latency`` of the slowest tier it spans plus, for the most loaded tier, the
   bytes crossing the busiest *domain* of that tier over the domain's bandwidth. The domain of
   ``inter_node`` is a node (its NICs are shared by all its ranks); of the in-node tiers, a rank.
@@ -30,7 +30,7 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   transfer waits in the kernel) and low for loopback copies on the cores that compute (measured by
   tools/probe_links.py per tier). Quantization kernels are the device's own work: never hidden.
 
-The figures (links per tier and per algorithm, the device) are ``megatron.zero_topo.hardware``'s:
+The figures (links per tier and per algorithm, the device) are ``megatron.analytic.hardware``'s:
 the topology's and the device table's, or a probe file's (tools/probe_links.py).
 """
 from __future__ import annotations
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
-from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
+from megatron.analytic.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
                                            Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
                                            step_collectives, tier_between)
-from megatron.zero_topo.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
+from megatron.topology.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
                                            RING_REDUCE_SCATTER, AlgorithmError, collective_algorithm)
-from megatron.zero_topo.hardware import Device, Hardware, group_shape
+from megatron.analytic.hardware import Device, Hardware, group_shape
 
 GATHER_PHASES = ("fwd_gather", "bwd_gather", "recompute_gather")
 BOUNDARY_PHASES = ("cross_grad_reduce", "replica_allreduce", "refresh", "control")
@@ -258,7 +258,7 @@ class StepWork:
     tokens_per_micro_batch: int
     """Tokens one rank processes per micro-batch (micro batch size x sequence length)."""
     unit_flops_per_token: tuple
-    """Forward model FLOPs per token of each unit (backward = 2x; ``megatron.zero_topo.model_inputs``)."""
+    """Forward model FLOPs per token of each unit (backward = 2x; ``megatron.analytic.model_inputs``)."""
     prefetch_gathers: bool = True
     overlap_comm: Optional[bool] = None
     """None: from the spec (reductions_in_flight > 0)."""

@@ -1,20 +1,13 @@
 """Per-rank counters of the bytes each collective sends, by (phase, tier), and their world sum.
 
-The charging rule (docs/engine.md, "Bytes charged") lives in ``Communicator.charge``; this module
-only keeps and sums counters. Counters are Python ints (exact); the world sum travels as float64,
+The charging rule (docs/engine.md, "Bytes charged") lives in ``Communicator.charge`` and the world
+sum in ``Communicator.sync_ledger``; this module only keeps counters. Counters are Python ints (exact); the world sum travels as float64,
 exact up to 2**53 bytes per entry.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
-
-import torch
-
 from megatron.topology.topology import TIER_NAMES
-
-if TYPE_CHECKING:  # the ledger and the communicator refer to each other only for typing
-    from megatron.zero_topo.comm import Communicator
 
 # The phases of docs/engine.md, plus "checkpoint" for collectives made outside the step (full state
 # gathers for export/tests, weight rebuilds after a load): kept apart so a step's table stays exact.
@@ -61,22 +54,6 @@ class ByteLedger:
 
     def reset(self) -> None:
         self._bytes.clear()
-
-    def sync(self, comm: "Communicator") -> dict[Key, int]:
-        """Counters summed over all ranks by one float64 world allreduce (a collective: all ranks call).
-
-        The allreduce's own bytes are recorded under ``control`` before the counters are packed, so
-        the totals include the sync itself.
-        """
-        keys = [(p, t) for p in PHASES for t in TIERS]
-        world = comm.groups.world
-        padded = -(-len(keys) // world.size) * world.size
-        buf = torch.zeros(padded, dtype=torch.float64, device=comm.device)
-        comm.charge("all_reduce", buf.numel() * buf.element_size(), world, "control")
-        local = self.snapshot()
-        buf[: len(keys)] = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=comm.device)
-        comm.issue_all_reduce(buf, world)
-        return {k: int(round(v)) for k, v in zip(keys, buf[: len(keys)].tolist())}
 
     @staticmethod
     def by_tier(totals: dict[Key, int]) -> dict[str, int]:

@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
 from megatron.topology.topology import TopologyError
-from megatron.zero_topo.comm_model import CommSpec, QuantSpec, transformer_block_units
-from megatron.zero_topo.memory_model import device_peak_bytes, predict_peak_bytes
-from megatron.zero_topo.hardware import Hardware
-from megatron.zero_topo.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time
+from megatron.analytic.comm_model import CommSpec, QuantSpec, transformer_block_units
+from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
+from megatron.analytic.hardware import Hardware
+from megatron.analytic.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time
 
 GB = 1e9
 # Quantization choices the planner tries (when asked to): none, the step boundary only (INT4
@@ -186,7 +186,7 @@ def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget
     """The plan's inputs for the configured model, batch and precision (budget default: the
     ``plan_memory_per_device_gb`` key, else the device's memory)."""
     from megatron.model.sizes import activation_bytes, unit_parameter_counts
-    from megatron.zero_topo.model_inputs import step_work_from_config
+    from megatron.analytic.model_inputs import step_work_from_config
     compute_bytes = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
     micro = cfg.training.train_micro_batch_size_per_gpu or 1
     acts = {ckpt: activation_bytes(dataclasses.replace(cfg.model, checkpoint_activations=ckpt), padded_vocab,
@@ -207,7 +207,7 @@ def plan_for_config(cfg, padded_vocab: int, world_size: Optional[int] = None) ->
     ``plan_quantize`` that and every choice of QUANT_CHOICES."""
     from megatron.config.errors import ConfigError
     from megatron.topology.layout import SINGLE_PROCESS
-    from megatron.zero_topo.model_inputs import hardware_from_config, quant_spec_of
+    from megatron.analytic.model_inputs import hardware_from_config, quant_spec_of
     hardware = hardware_from_config(cfg, world_size)
     inputs = inputs_from_config(cfg, padded_vocab, hardware)
     quants = {"config": quant_spec_of(cfg.zero)}
@@ -242,7 +242,7 @@ def planned_config(cfg, world_size: Optional[int] = None):
     if cfg.zero.plan != "auto":
         return cfg, None
     from megatron.config.errors import ConfigError
-    from megatron.zero_topo.model_inputs import padded_vocab_of
+    from megatron.analytic.model_inputs import padded_vocab_of
     vocab = padded_vocab_of(cfg)
     if vocab is None:
         raise ConfigError("zero_optimization.plan auto needs the vocabulary to size the units: set vocab_size "

@@ -1,68 +1,22 @@
-"""The training loop's one interface to "model + optimizer", and its single-process implementation.
-
-The loop calls only `forward_backward`, `optimizer_step`, `eval_loss`, `all_reduce_sum` and the
-checkpoint hooks; the ZeRO-topo engine (`megatron.zero_topo`) implements the same methods over
-sharded state, so the loop never changes with the sharding.
+"""The engine of a single process: autocast to the compute dtype, fp32 parameters, torch's AdamW
+(fused by default), clipping and the fp16 loss scale. The single-process reference every sharded
+layout is checked against.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from megatron.checkpointing.param_slices import check_shapes, make_engine_state
 from megatron.config.schema import OptimizerConfig
+from megatron.engine.protocol import LossFn, adamw_param_groups, autocast_dtype_of
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 
-LossFn = Callable[[nn.Module, dict], torch.Tensor]
 
-
-class Engine(Protocol):
-    def forward_backward(self, batch: dict) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns the detached local mean loss."""
-
-    def optimizer_step(self, lr: float) -> dict:
-        """Clip and step once all micro-batches are in; returns the pre-clip global ``grad_norm``, the
-        ``loss_scale`` used and ``skipped_step`` (0/1), as floats or 0-d tensors (the loop reads them
-        after the step's work is queued)."""
-
-    def eval_loss(self, batch: dict) -> torch.Tensor:
-        """Mean loss of one batch without gradients."""
-
-    def all_reduce_sum(self, values: list) -> list[float]:
-        """Sum `values` (floats or 0-d device tensors) over every rank (a `control` collective) and
-        return them as floats; on one process only the read-back."""
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """All parameters by name, fp32, on every rank (tests, export)."""
-
-
-def no_decay(param: torch.Tensor) -> bool:
-    """Norm weights and biases (the 1-D parameters) get no weight decay, as in NeoX."""
-    return param.ndim < 2
-
-
-def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, plain = [], []
-    for p in model.parameters():
-        (plain if no_decay(p) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-
-
-def autocast_dtype_of(precision: str) -> Optional[torch.dtype]:
-    """The autocast dtype of a config precision; None for fp32 (no autocast)."""
-    return {"bfloat16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-
-def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Mean next-token cross entropy over every position of the micro-batch (fp32 softmax)."""
-    logits = model(batch["tokens"])
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-
-
-class LocalEngine:
+class SingleProcessEngine:
     """One process: autocast to the compute dtype, fp32 parameters and torch's AdamW."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, opt_cfg: OptimizerConfig, precision: str,
@@ -127,6 +81,15 @@ class LocalEngine:
 
     def all_reduce_sum(self, values: list) -> list[float]:
         return [float(v) for v in values]
+
+    def gather_objects(self, obj: Any) -> list:
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def comm_metrics(self) -> dict:
+        return {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}

@@ -1,7 +1,7 @@
 """The figures the step-time model reads (docs/time_model.md, "The figures"): per-tier links,
 per-algorithm links a probe measured, per-(algorithm, group shape) latency-bandwidth curves, and
 the device. From a ``Topology``'s tiers and the device table (the ``nominal`` figure set), or a
-published figure set (``megatron.zero_topo.figure_sets``: ``frontier-measured``), overridden by a
+published figure set (``megatron.analytic.figure_sets``: ``frontier-measured``), overridden by a
 link probe file (tools/probe_links.py, format ``PROBE_FORMAT``).
 
 Two ways a collective's time is read, in this order (``Hardware.curve``):
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from megatron.logging.throughput import H100_SXM, MI250X_GCD
-from megatron.zero_topo.algorithms import ALGORITHMS, BACKENDS, FALLBACK
-from megatron.zero_topo.comm_model import CommModelError
+from megatron.topology.algorithms import ALGORITHMS, BACKENDS, FALLBACK
+from megatron.analytic.comm_model import CommModelError
 
 PROBE_FORMAT = "neox-topo-link-probe/1"
 SHAPES = ("pair", "node", "cross", "world")
@@ -192,7 +192,7 @@ class Hardware:
 
     def with_figure_set(self, name: str) -> "Hardware":
         """These figures with a published set's curves and device rates in place (FIGURE_SETS)."""
-        from megatron.zero_topo.figure_sets import FIGURE_SETS
+        from megatron.analytic.figure_sets import FIGURE_SETS
         if name not in FIGURE_SETS:
             raise CommModelError(f"unknown figure set {name!r}; choose one of nominal, {', '.join(FIGURE_SETS)}")
         published = FIGURE_SETS[name]

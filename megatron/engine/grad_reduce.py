@@ -32,7 +32,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from megatron.topology.groups import RankGroup
-from megatron.zero_topo.comm import Communicator, Pending
+from megatron.engine.comm import Communicator, Pending
 
 # A reduction chain: yields each issued hop's Pending, returns this rank's reduced share.
 Chain = Generator[Pending, None, torch.Tensor]

@@ -1,5 +1,5 @@
 """Which algorithm runs a collective on the wire: the one choice the engine's ``Communicator``
-(megatron/zero_topo/comm.py) makes and the step-time model (time_model.py) predicts.
+(megatron/engine/comm.py) makes and the step-time model (time_model.py) predicts.
 
 It imports neither: both call ``collective_algorithm`` with what decides it, the backend and whether
 every pair of the group's members talks over one tier.

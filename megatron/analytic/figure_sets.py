@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from megatron.logging.throughput import MI250X_GCD
-from megatron.zero_topo.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
-from megatron.zero_topo.hardware import LinkCurve
+from megatron.topology.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
+from megatron.analytic.hardware import LinkCurve
 
 GB = 1e9
 KIB, MIB = 1024, 1024 * 1024

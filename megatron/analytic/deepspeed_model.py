@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron.zero_topo.comm_model import (ALL_TO_ALL, ALLGATHER, FP32_BYTES, REDUCE_SCATTER, Collective,
+from megatron.analytic.comm_model import (ALL_TO_ALL, ALLGATHER, FP32_BYTES, REDUCE_SCATTER, Collective,
                                            CommModelError, CommSpec, control_collectives, gradient_hop_bytes)
 
 

@@ -5,7 +5,7 @@ from the engine or the model, and the tests check it against both.
 """
 from __future__ import annotations
 
-from megatron.zero_topo.comm_model import (FP32_BYTES, CommModelError, CommSpec, gradient_hop_bytes,
+from megatron.analytic.comm_model import (FP32_BYTES, CommModelError, CommSpec, gradient_hop_bytes,
                                            packed_message_bytes, padded_unit_numels)
 
 # error_feedback appears in a prediction only when residuals are kept (see predict_model_state_bytes).

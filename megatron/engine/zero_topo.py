@@ -27,7 +27,7 @@ Hooks and the per-unit state machine (why each rule exists):
   unit's own hook, so the ledger is unchanged; at most two sharded units are gathered or in flight.
   Every pass ends with ``_drain``: nothing stays in flight or gathered.
 
-Quantized collectives (``quant``, built by megatron/zero_topo/quantized.py): gathers move INT8
+Quantized collectives (``quant``, built by megatron/engine/quantized.py): gathers move INT8
 messages, gradient hops become all-to-alls of INT4/INT8 messages with a fused dequantize-sum(-
 requantize), zeropp's reduction becomes qgZ (node hop, then rail hop), and the refresh's cross hop
 may move INT8; error-feedback residuals live on the units (``FlatUnit.residuals``).
@@ -44,16 +44,17 @@ from torch import nn
 from megatron.topology.groups import ProcessGroups, RankGroup
 from megatron.topology.layout import ShardLayout
 from megatron.topology.topology import TopologyError
-from megatron.zero_topo.comm import Communicator
-from megatron.zero_topo.flat_unit import EngineError, FlatUnit, build_slots
-from megatron.zero_topo.grad_reduce import (DEFAULT_BUCKET_ELEMENTS, ReductionWindow, column_ranges, ladder_chain,
+from megatron.engine.comm import Communicator
+from megatron.engine.ledger import ByteLedger
+from megatron.engine.flat_unit import EngineError, FlatUnit, build_slots
+from megatron.engine.grad_reduce import (DEFAULT_BUCKET_ELEMENTS, ReductionWindow, column_ranges, ladder_chain,
                                             piece_of, quantized_piece_chain)
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
-from megatron.zero_topo.optimizer import AdamWHyper, adamw_update, clip_coefficient, fused_adamw_update
-from megatron.zero_topo.prefetch import PassOrder
-from megatron.zero_topo.gathers import start_unit_gather
-from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
-from megatron.zero_topo import state_io
+from megatron.engine.optimizer import AdamWHyper, adamw_update, clip_coefficient, fused_adamw_update
+from megatron.engine.prefetch import PassOrder
+from megatron.engine.gathers import start_unit_gather
+from megatron.engine.quantized import QuantizedCollectives, QuantSettings, qgz_swizzle
+from megatron.engine import state_io
 
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -66,7 +67,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bfloat16": t
 
 
 class ZeroTopoEngine:
-    """Sharded model + AdamW over ``groups``; the training loop's interface (see megatron/engine.py)."""
+    """Sharded model + AdamW over ``groups``; the training loop's interface (see megatron/engine/single_process.py)."""
 
     def __init__(self, model: nn.Module, units: list[nn.Module], loss_fn: LossFn, opt_cfg, precision: str,
                  groups: ProcessGroups, comm: Communicator, accumulation_steps: int,
@@ -243,7 +244,7 @@ class ZeroTopoEngine:
         unit.pending_bwd_charges = charges if phase == "bwd_gather" else None
 
     def _prefetch(self, index: Optional[int], backward: bool) -> None:
-        """Issue unit ``index``'s gather now (megatron/zero_topo/prefetch.py says which unit); it is
+        """Issue unit ``index``'s gather now (megatron/engine/prefetch.py says which unit); it is
         waited for when the unit needs it."""
         if index is None or not self.prefetch:
             return
@@ -484,6 +485,19 @@ class ZeroTopoEngine:
         buf[: len(values)] = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.comm.all_reduce(buf, world, "control")
         return buf[: len(values)].tolist()
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable ``obj`` in rank order (the checkpoint's piece lists for index.json)."""
+        return self.comm.all_gather_object(obj, self.groups.world, "checkpoint")
+
+    def broadcast_object(self, obj):
+        """Rank 0's picklable ``obj`` on every rank."""
+        return self.comm.broadcast_object(obj, self.groups.world, "checkpoint")
+
+    def comm_metrics(self) -> dict:
+        totals = self.comm.sync_ledger()
+        self.ledger.reset()
+        return ByteLedger.metrics(totals)
 
     # -- states (implemented in state_io) -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from megatron.failure_report import FirstError, starts_traceback
+from megatron.launch.failure_report import FirstError, starts_traceback
 
 
 class RankOutput:

@@ -6,7 +6,7 @@ ring all-gather / reduce-scatter: (k-1)/k x B to the next member; all-reduce: tw
 all-to-all: B/k to each other member. Each send is charged to the tier between sender and receiver.
 A group of one rank issues nothing and records nothing (a local copy keeps the semantics).
 
-Which algorithm runs is ``megatron.zero_topo.algorithms.collective_algorithm``'s choice, the one the
+Which algorithm runs is ``megatron.topology.algorithms.collective_algorithm``'s choice, the one the
 step-time model predicts with. Reduce-scatter of CPU tensors (gloo) is ours, not gloo's: gloo's reduce-scatter all-reduces the
 whole buffer and keeps a slice, 2x the ring's bytes on the wire (FIELD_NOTES). A group whose members
 all talk over one tier (a node's ranks, the cross-node group of one rank per node) does one
@@ -18,6 +18,7 @@ cross nodes; it completes before ``start_reduce_scatter`` returns. GPU tensors u
 """
 from __future__ import annotations
 
+import pickle
 from typing import Callable, Optional
 
 import torch
@@ -25,8 +26,8 @@ import torch.distributed as dist
 
 from megatron.topology import compat
 from megatron.topology.groups import ProcessGroups, RankGroup
-from megatron.zero_topo.algorithms import ALL_TO_ALL_SUM, backend_of_device, collective_algorithm
-from megatron.zero_topo.ledger import ByteLedger
+from megatron.topology.algorithms import ALL_TO_ALL_SUM, backend_of_device, collective_algorithm
+from megatron.engine.ledger import PHASES, TIERS, ByteLedger
 
 
 class CommError(ValueError):
@@ -50,7 +51,7 @@ class Communicator:
         k = group.size
         if k == 1:
             return {}
-        if nbytes % k:
+        if nbytes % k and op != "broadcast":
             raise CommError(f"{op} of {nbytes} bytes over {k} ranks: the buffer must be a multiple of {k}")
         me = group.index(self.rank)
         charges: dict[str, int] = {}
@@ -58,6 +59,9 @@ class Communicator:
             nxt = group.ranks[(me + 1) % k]
             factor = 2 if op == "all_reduce" else 1
             charges[self.topology.tier_between(self.rank, nxt)] = factor * (k - 1) * (nbytes // k)
+        elif op == "broadcast":  # a pipelined chain from the first member: B to the next, but the last
+            if me < k - 1:
+                charges[self.topology.tier_between(self.rank, group.ranks[me + 1])] = nbytes
         elif op == "all_to_all":
             for peer in group.ranks:
                 if peer != self.rank:
@@ -174,6 +178,51 @@ class Communicator:
         if group.size > 1:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group.handle)
 
+    def sync_ledger(self) -> dict[tuple[str, str], int]:
+        """The ledger's counters summed over all ranks by one float64 world all-reduce (collective).
+
+        The all-reduce's own bytes are recorded under ``control`` before the counters are packed, so
+        the totals include the sync itself."""
+        keys = [(p, t) for p in PHASES for t in TIERS]
+        world = self.groups.world
+        padded = -(-len(keys) // world.size) * world.size
+        buf = torch.zeros(padded, dtype=torch.float64, device=self.device)
+        self.charge("all_reduce", buf.numel() * buf.element_size(), world, "control")
+        local = self.ledger.snapshot()
+        buf[: len(keys)] = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=self.device)
+        self.issue_all_reduce(buf, world)
+        return {k: int(round(v)) for k, v in zip(keys, buf[: len(keys)].tolist())}
+
+    def all_gather_object(self, obj, group: RankGroup, phase: str) -> list:
+        """Every member's small picklable ``obj`` in member order, on every member: two all-gathers
+        (the lengths, then the pickles padded to the longest), charged to ``phase``."""
+        raw = pickle.dumps(obj)
+        lengths = torch.zeros(group.size, dtype=torch.int64, device=self.device)
+        self.all_gather(lengths, torch.tensor([len(raw)], dtype=torch.int64, device=self.device), group, phase)
+        sizes = lengths.cpu().tolist()
+        words = max(-(-max(sizes) // 8), 1)
+        send = _words_of(raw, words).to(self.device)
+        out = torch.empty(words * group.size, dtype=torch.int64, device=self.device)
+        self.all_gather(out, send, group, phase)
+        table = out.cpu().view(group.size, words)
+        return [pickle.loads(table[i].view(torch.uint8)[:sizes[i]].numpy().tobytes()) for i in range(group.size)]
+
+    def broadcast_object(self, obj, group: RankGroup, phase: str):
+        """The first member's picklable ``obj`` on every member (the others pass anything): its
+        length, then its pickle, each broadcast from the first member, charged to ``phase``."""
+        if group.size == 1:
+            return obj
+        root = group.ranks[0]
+        raw = pickle.dumps(obj) if self.rank == root else b""
+        length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        self.charge("broadcast", _nbytes(length), group, phase)
+        dist.broadcast(length, root, group=group.handle)
+        words = max(-(-int(length.item()) // 8), 1)
+        buf = _words_of(raw, words).to(self.device)
+        self.charge("broadcast", _nbytes(buf), group, phase)
+        dist.broadcast(buf, root, group=group.handle)
+        return pickle.loads(buf.cpu().view(torch.uint8)[:int(length.item())].numpy().tobytes())
+
     def barrier(self) -> None:
         """World barrier (no payload, not charged); used around checkpoint commits."""
         if self.groups.world.size > 1:
@@ -194,6 +243,13 @@ class Pending:
             if self._then is not None:  # the local part of the collective (a reduce-scatter's sum)
                 self._then()
             self._work, self._buffers, self._then = None, (), None
+
+
+def _words_of(raw: bytes, words: int) -> torch.Tensor:
+    """``raw`` zero-padded into ``words`` int64 words (collectives move whole words)."""
+    buf = torch.zeros(words * 8, dtype=torch.uint8)
+    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+    return buf.view(torch.int64)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Callable, Optional
 
-from megatron.rank_guard import guard_rank
+from megatron.launch.rank_guard import guard_rank
 
 
 def run_script(work: Callable[[str], int], description: Optional[str] = None,

@@ -21,10 +21,10 @@ import torch
 
 from megatron.checkpointing.param_slices import PER_RANK, check_shapes, make_engine_state
 from megatron.logging.metrics import log_print
-from megatron.zero_topo.flat_unit import EngineError, FlatUnit
+from megatron.engine.flat_unit import EngineError, FlatUnit
 
 if TYPE_CHECKING:
-    from megatron.zero_topo.engine import ZeroTopoEngine
+    from megatron.engine.zero_topo import ZeroTopoEngine
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import signal
 SUCCESS = 0
 INTERNAL_ERROR = 1  # a bug: one line, NEOX_DEBUG=1 for the traceback
 USAGE_ERROR = 2  # a mistake the message explains: config, data, checkpoint folder, full disk
-LAUNCHER_GONE = 3  # a rank whose launcher died (deepy killed; under srun, its slurmstepd): megatron/rank_guard.py
+LAUNCHER_GONE = 3  # a rank whose launcher died (deepy killed; under srun, its slurmstepd): megatron/launch/rank_guard.py
 # EX_TEMPFAIL (sysexits.h): stopped by SIGTERM/SIGUSR1 before train_iters, with a checkpoint saved;
 # run again with `load` = `save` to continue. The job scripts requeue themselves on it.
 STOPPED_SAVED = 75

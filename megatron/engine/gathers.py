@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megatron.topology.groups import ProcessGroups
-from megatron.zero_topo.comm import Communicator, Pending
-from megatron.zero_topo.flat_unit import FlatUnit
-from megatron.zero_topo.quantized import QuantizedCollectives, QuantSettings, merge_messages
+from megatron.engine.comm import Communicator, Pending
+from megatron.engine.flat_unit import FlatUnit
+from megatron.engine.quantized import QuantizedCollectives, QuantSettings, merge_messages
 
 
 @dataclass
