@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.topology.layout import display_name, preset_of_display_name  # noqa: E402
-from megatron.analytic.comm_model import (  # noqa: E402
+from megatron.topology.layout import ShardLayout, display_name, preset_of_display_name
+from megatron.analytic.comm_model import (
     PHASES, CommSpec, QuantSpec, predict_ledger, transformer_block_units)
-from megatron.config.schema import ModelConfig  # noqa: E402
-from megatron.topology import Topology  # noqa: E402
-from megatron.model.sizes import unit_flops_per_token  # noqa: E402
-from megatron.analytic.hardware import Hardware  # noqa: E402
-from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, step_time  # noqa: E402
-from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes  # noqa: E402
+from megatron.config.schema import ModelConfig
+from megatron.topology import Topology
+from megatron.model.sizes import unit_flops_per_token
+from megatron.analytic.hardware import Hardware
+from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, step_time
+from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes
 
 # Quantized variants: label -> (preset, DeepSpeed-style switches; bits follow engine.md's defaults).
 QUANTIZED = {"zero_topo-q": ("zero_topo", dict(quantized_weights=True, quantized_gradients=True)),
@@ -99,7 +95,7 @@ def main(argv=None) -> None:
         quant = (QuantSpec.from_settings(**switches, block_size=args.block_size, error_feedback=args.error_feedback)
                  if switches else QuantSpec())
         for a in args.micro_batches:
-            spec = CommSpec(units, layout, preset=preset, micro_batches=a, compute_bytes=args.dtype_bytes,
+            spec = CommSpec(units, ShardLayout.resolve(layout, preset=preset), micro_batches=a, compute_bytes=args.dtype_bytes,
                             fp32_allreduce=args.fp32_allreduce, quant=quant,
                             checkpointed_units=transformer_block_units(len(units)) if args.checkpoint_activations
                             else frozenset())

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron.config import load_config
+from megatron.data.tokenizers import CharLevelTokenizer
+from megatron.inference.loading import InferenceModel
+from megatron.inference.sampling import Sampling
+from megatron.inference.text_generation import generate_tokens
+from megatron.model import GPTNeoX
 
-from megatron.config import load_config  # noqa: E402
-from megatron.data.tokenizers import CharLevelTokenizer  # noqa: E402
-from megatron.inference.loading import InferenceModel  # noqa: E402
-from megatron.inference.sampling import Sampling  # noqa: E402
-from megatron.inference.text_generation import generate_tokens  # noqa: E402
-from megatron.model import GPTNeoX  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_model(positions: int, device: torch.device) -> InferenceModel:

@@ -28,14 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron.config import load_config
+from megatron.model.sizes import activation_bytes, parameter_count
+from megatron.topology import ShardLayout
+from megatron.analytic.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
 
-from megatron.config import load_config  # noqa: E402
-from megatron.model.sizes import activation_bytes, parameter_count  # noqa: E402
-from megatron.topology import ShardLayout  # noqa: E402
-from megatron.analytic.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes  # noqa: E402
-from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 BIG = ["configs/20B.yml", "configs/frontier.yml", "configs/zero_topo.yml", "configs/local_setup.yml"]

@@ -20,12 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron.config import load_config
+from megatron.analytic.comm_model import predict_ledger
+from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
 
-from megatron.config import load_config  # noqa: E402
-from megatron.analytic.comm_model import predict_ledger  # noqa: E402
-from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PRESETS = ("ddp", "zero1", "zero2", "zero3", "hsdp", "zeropp", "zero_topo")  # configs/<name>.yml
 TIERS = ("intra_gpu", "intra_node", "inter_node")

@@ -8,10 +8,11 @@
 One run: per layout (2x4 = tiers [2, 2, 2], 2x2), tools/probe_links.py on the emulated cluster at
 --rate (the link figures, the achieved FLOP/s of the benchmark's model with all ranks computing, the
 optimizer and quantizer rates, the overlap efficiency), then every preset at every accumulation,
-each one launch of bench/compare_peers.py's timed loop (``run_one``: median of the timed steps,
-inter-node bytes from the interfaces). The prediction for each row is ``time_model.step_time`` on
-the row's own config (bench/peers.py's ``run_config``: the same model, batch and layout), with the
-layout's probe as the figures. The error is predicted / measured - 1.
+each one launch of compare_peers' timed loop (megatron/benchmarking/compare_peers.py's ``run_one``:
+median of the timed steps, inter-node bytes from the interfaces). The prediction for each row is
+``time_model.step_time`` on the row's own config (megatron/benchmarking/peers.py's ``run_config``:
+the same model, batch and layout), with the layout's probe as the figures. The error is
+predicted / measured - 1.
 """
 from __future__ import annotations
 
@@ -25,18 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron.benchmarking import compare_peers, peers
+from megatron.topology import Topology
+from megatron.analytic.model_inputs import comm_spec_from_config, step_work_from_config
+from megatron.analytic.hardware import Hardware
+from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, step_time
+
 BENCH = Path(__file__).resolve().parent
 REPO_ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(REPO_ROOT))
-
-import compare_peers  # noqa: E402
-import peers  # noqa: E402
-
-from megatron.topology import Topology  # noqa: E402
-from megatron.analytic.model_inputs import comm_spec_from_config, step_work_from_config  # noqa: E402
-from megatron.analytic.hardware import Hardware  # noqa: E402
-from megatron.analytic.time_model import COMPUTE, OPTIMIZER, RECOMPUTE, step_time  # noqa: E402
 
 DEFAULT_OUT = BENCH / "results" / "time_model.json"
 QUANT = compare_peers.QUANT

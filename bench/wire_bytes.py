@@ -22,16 +22,15 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron.topology import ProcessGroups, Topology  # noqa: E402
-from megatron.topology.groups import RankGroup  # noqa: E402
-from megatron.topology.layout import ShardFactors  # noqa: E402
-from megatron.engine.comm import Communicator  # noqa: E402
-from megatron.engine.ledger import ByteLedger  # noqa: E402
+from megatron.topology.layout import ShardLayout
+from megatron.topology import ProcessGroups, Topology
+from megatron.topology.groups import RankGroup
+from megatron.topology.layout import ShardFactors
+from megatron.engine.comm import Communicator
+from megatron.engine.ledger import ByteLedger
 
 
 def tx_bytes() -> int:
@@ -53,11 +52,11 @@ def main(argv=None) -> int:
     first_of_node = int(os.environ["LOCAL_RANK"]) == 0
     topology = Topology.simulated([world // per_node, per_node])
     if args.setup_only:
-        ProcessGroups.build(topology, ShardFactors(*(args.factors or (world, world, world))))
+        ProcessGroups.build(topology, ShardLayout.from_topology(topology, ShardFactors(*(args.factors or (world, world, world)))))
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    groups = ProcessGroups.build(topology, ShardFactors(world, world, world))
+    groups = ProcessGroups.build(topology, ShardLayout.from_topology(topology, ShardFactors(world, world, world)))
     cross_ranks = [tuple(range(local, world, per_node)) for local in range(per_node)]
     cross_handles = [dist.new_group(list(r)) for r in cross_ranks]  # every rank creates every group
     mine = next(i for i, r in enumerate(cross_ranks) if rank in r)

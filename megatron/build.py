@@ -19,6 +19,7 @@ from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
 from megatron.engine import SingleProcessEngine, lm_loss
+from megatron.engine.flat_unit import build_slots
 from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
@@ -107,10 +108,16 @@ def build_model(cfg, runtime: Runtime) -> GPTNeoX:
 
 
 def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
-    """``materialize(i, unit)`` for the engine: the unit's parameters on the CPU with NeoX's init,
-    drawn in unit order from the seeded RNG (so the weights equal a whole model built on the CPU,
-    the single-process reference), then overwritten from the HF folder when one is given (the draws
-    still happen, so the RNG continues exactly as in the single-process run)."""
+    """``materialize(i, unit, keep=None)`` for the engine: the unit's parameters on the CPU with
+    NeoX's init, drawn in unit order from the seeded RNG (so the weights equal a whole model built
+    on the CPU, the single-process reference), then overwritten from the HF folder when one is given
+    (the draws still happen, so the RNG continues exactly as in the single-process run).
+
+    ``keep`` (from the engine): the [lo, hi) ranges of the unit's flat buffer this rank keeps (its
+    weight chunk and optimizer slice). With a HF folder only those elements are read (safetensors
+    slices; each shard opened once per process); the rest keeps its init values, which the engine
+    drops, so the ranks compare the checksum of the init draws (returned) instead of the unit's.
+    Without ``keep`` every parameter is read whole (one process, tests)."""
     prefix = {id(module): name for name, module in model.named_modules()}
     hf = HFWeights(hf_folder) if hf_folder else None
     if hf is not None:
@@ -118,14 +125,49 @@ def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
                      {k: tuple(v.shape) for k, v in model.named_parameters()}, hf_folder)
 
     @torch.no_grad()
-    def materialize(index: int, unit: torch.nn.Module) -> None:
+    def materialize(index: int, unit: torch.nn.Module, keep: list[tuple[int, int]] | None = None):
         unit.to_empty(device="cpu")
         named = [(f"{prefix[id(unit)]}.{name}", param) for name, param in unit.named_parameters()]
         model.init_parameters(named)
-        if hf is not None:
+        if hf is None:
+            return None
+        if keep is None:
             for name, param in named:
                 param.copy_(hf.tensor(name))
+            return None
+        drawn = _init_checksum(param for _name, param in named)
+        names_by_id = {id(param): name for name, param in named}  # to_empty made new parameters
+        for slot in build_slots(unit, names_by_id):  # where each parameter sits in the flat buffer
+            flat = getattr(slot.module, slot.attr).view(-1)
+            for lo, hi in _merged(keep):  # the optimizer slice lies inside the weight chunk: read once
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    flat[a - slot.offset: b - slot.offset] = hf.read(slot.name, a - slot.offset, b - slot.offset)
+        return drawn
     return materialize
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted [lo, hi) ranges with the overlapping and touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def _init_checksum(params, piece: int = 1 << 22) -> tuple[float, float]:
+    """(sum, sum of |x|) in float64 of the init draws, a piece at a time (no float64 copy of a
+    whole embedding): equal on ranks seeded alike."""
+    total = absolute = 0.0
+    for param in params:
+        for chunk in param.detach().reshape(-1).split(piece):
+            wide = chunk.double()
+            total += float(wide.sum())
+            absolute += float(wide.abs().sum())
+    return total, absolute
 
 
 def compile_blocks(model: GPTNeoX) -> None:

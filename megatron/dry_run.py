@@ -14,7 +14,8 @@ from typing import Mapping, Optional, Sequence
 
 from megatron.config import NeoXConfig, world_size_of
 from megatron.launch.launcher import LaunchPlan, slurm_hosts
-from megatron.topology import TIER_NAMES, ShardLayout, Topology
+from megatron.topology import ShardLayout, Topology
+from megatron.topology.names import TIERS
 from megatron.topology.allocation import allocation_from_env
 from megatron.analytic.planner import planned_config
 
@@ -137,7 +138,7 @@ def _span(ranks: Sequence[int], topology: Topology) -> str:
     if len(ranks) < 2:
         return "nothing (one rank, no collective)"
     tiers = {topology.tier_between(ranks[0], other) for other in ranks[1:]}
-    return max(tiers, key=TIER_NAMES.index)
+    return max(tiers, key=TIERS.index)
 
 
 def _members(ranks: Sequence[int]) -> str:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing.checkpointer import (Checkpointer, latest_step_dir, load_meta,
-                                                 load_rank_state)
+from megatron.checkpointing.checkpointer import Checkpointer, latest_step_dir, load_meta
 from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_to_dict
 from megatron.engine import Engine
@@ -236,18 +235,20 @@ class Trainer:
             log_print(f"no checkpoint in {load_dir}: starting from scratch", self.runtime.rank)
             return False
         meta = load_meta(step_dir)
-        # Each rank reads only the pieces overlapping its own slices (index.json), never full tensors.
-        reader = CheckpointReader(step_dir, rank=self.runtime.rank)
+        # Each rank reads only the pieces overlapping its own slices (index.json), never full tensors;
+        # a step without index.json is indexed by rank 0 alone and shared (one scan, not one per rank).
+        reader = CheckpointReader(step_dir, rank=self.runtime.rank, share=self.engine.broadcast_object)
         finetune = bool(self.cfg.checkpoint.finetune)  # weights only: a new run from step 0
         self.engine.load_checkpoint(reader, weights_only=finetune)
         read = (f"rank 0 read {len(reader.opened)} of {reader.world_size} rank files, "
                 f"{format_bytes(reader.bytes_copied)}")
-        reader.close()
         if finetune:
+            reader.close()
             log_print(f"finetuning from the weights of {step_dir} ({read})", self.runtime.rank)
             return True
         same_rank = self.runtime.rank if self.runtime.rank < meta["world_size"] else 0
-        _set_rng_state(load_rank_state(step_dir, same_rank, mmap=True)["rng"])
+        _set_rng_state(reader.rank_state(same_rank)["rng"])  # through the reader: a file it mapped is not reopened
+        reader.close()
         self.iteration = self.start_iteration = meta["iteration"]
         self.consumed_samples = meta["consumed_samples"]
         self.numerics.load_state_dict(meta.get("numerics"))  # skipped steps: the schedule's position

@@ -4,7 +4,9 @@ Why it is built this way (FIELD_NOTES, "PyTorch 2.13 and gloo"): every rank writ
 file *before* ``destroy_process_group()``, and the test judges by the files, so a teardown that hangs
 or aborts after the work is done cannot fail a test; the process-group timeout is 300 s; ranks
 rendezvous through a FileStore in the test's temporary folder (no port to collide with other test
-runs on the machine); stragglers are killed after a grace period once all results are in.
+runs on the machine); stragglers are killed after a grace period once all results are in. The ranks
+are started, watched and stopped by megatron/launch/spawner.py; the failure reported is that of the
+first rank that raised or died without a result (one whose error only says a peer is gone counts last).
 
 Usage: ``run_ranks("test_engine:_worker", 4, tmp_path, preset="zero_topo")`` calls
 ``_worker(rank=r, world_size=4, preset="zero_topo")`` on every rank and returns the list of results.
@@ -12,14 +14,16 @@ Usage: ``run_ranks("test_engine:_worker", 4, tmp_path, preset="zero_topo")`` cal
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from megatron.launch.failure_report import FirstError, peer_failure
+from megatron.launch.spawner import RankCommand, RankProcesses
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -45,55 +49,76 @@ def run_ranks(target: str, world_size: int, workdir: Path, timeout_s: float = 60
     torch.save(kwargs, workdir / "kwargs.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-    procs = []
-    for rank in range(world_size):
-        cmd = [sys.executable, str(Path(__file__).resolve()), target, str(rank), str(world_size), str(workdir)]
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT), log))
+    commands = [RankCommand([sys.executable, str(Path(__file__).resolve()), target, str(rank), str(world_size),
+                             str(workdir)], env, output=workdir / f"rank{rank}.log", cwd=REPO_ROOT)
+                for rank in range(world_size)]
     results_paths = [workdir / f"rank{r}.result.pt" for r in range(world_size)]
-    deadline = time.monotonic() + timeout_s
-    checked: set[int] = set()
-    failed = False
-    try:
-        while time.monotonic() < deadline and not failed:
-            if all(p.exists() for p in results_paths):
-                break
+    with RankProcesses() as ranks:
+        ranks.start_all(commands)
+        deadline = time.monotonic() + timeout_s
+        ok: dict[int, bool] = {}  # rank -> its result's "ok", read once
+        failed = False
+        while time.monotonic() < deadline and not failed and not all(p.exists() for p in results_paths):
+            ranks.next_exit(timeout=0.05)
             for rank, path in enumerate(results_paths):
-                if rank not in checked and path.exists():
-                    checked.add(rank)
-                    # A rank that raised leaves its peers blocked in a collective until the
-                    # process-group timeout: stop waiting for them.
-                    failed = failed or not torch.load(path, weights_only=False)["ok"]
-            if any(proc.poll() not in (None, 0) and not results_paths[r].exists()
-                   for r, (proc, _) in enumerate(procs)):
-                break  # a rank died without a result: no point waiting for the others
-            time.sleep(0.05)
-        grace_end = time.monotonic() + (2.0 if failed else grace_s)
-        for proc, _ in procs:
-            try:
-                proc.wait(timeout=max(grace_end - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+                if rank not in ok and path.exists():
+                    ok[rank] = torch.load(path, weights_only=False)["ok"]
+            # A rank that raised leaves its peers blocked in a collective until the process-group
+            # timeout, and one that died without a result leaves nothing to wait for: stop waiting.
+            failed = not all(ok.values()) or any(not results_paths[r].exists() for r in ranks.ended)
+        ranks.wait_all(timeout_s=2.0 if failed else grace_s)
+        died = {rank: _wall_time(ended.at) for rank, ended in ranks.ended.items() if not results_paths[rank].exists()}
+        ranks.stop(grace_s=0)  # the stragglers: their results, if any, are safe on disk
+    raised = _raised(results_paths)
+    first = _first_failure(raised, died)
+    if first in raised:
+        order = sorted(raised, key=lambda rank: raised[rank][0])
+        raise RankFailure(f"rank {first} of {world_size} raised in {target} (first of ranks {order}):\n"
+                          f"{raised[first][1]}")
+    if first is not None:
+        raise RankFailure(_no_result(first, world_size, target, workdir,
+                                     f"exited with code {ranks.ended[first].returncode} and wrote no result"))
     results = []
-    # Report the rank that failed first (its peers' errors are usually consequences).
-    failures = sorted((path.stat().st_mtime, rank) for rank, path in enumerate(results_paths)
-                      if path.exists() and not torch.load(path, weights_only=False)["ok"])
-    if failures:
-        rank = failures[0][1]
-        raise RankFailure(f"rank {rank} of {world_size} raised in {target} (first of ranks "
-                          f"{[r for _, r in failures]}):\n{torch.load(results_paths[rank], weights_only=False)['error']}")
     for rank, path in enumerate(results_paths):
         if not path.exists():
-            tail = (workdir / f"rank{rank}.log").read_text()[-4000:]
-            raise RankFailure(f"rank {rank} of {world_size} wrote no result ({target}); its log ends:\n{tail}")
+            raise RankFailure(_no_result(rank, world_size, target, workdir, "wrote no result"))
         results.append(torch.load(path, weights_only=False)["result"])
     return results
+
+
+def _raised(results_paths: list[Path]) -> dict[int, tuple[float, str]]:
+    """rank -> (when it wrote its result: the file's mtime, the traceback) for each rank that raised."""
+    out = {}
+    for rank, path in enumerate(results_paths):
+        payload = torch.load(path, weights_only=False) if path.exists() else {"ok": True}
+        if not payload["ok"]:
+            out[rank] = (path.stat().st_mtime, payload["error"])
+    return out
+
+
+def _first_failure(raised: dict[int, tuple[float, str]], died: dict[int, float]) -> Optional[int]:
+    """The rank to blame: the first to raise or die, except that a rank whose error says a peer is gone
+    (gloo's "Connection closed by peer") comes after every other failure, as in deepy's report
+    (megatron/launch/failure_report.py): it raises within milliseconds of the death it reports,
+    sooner than that death is seen, and a file's time is coarse."""
+    def consequence(traceback_text: str) -> bool:
+        error = FirstError()
+        for line in traceback_text.splitlines():
+            error.feed(line)
+        return peer_failure(error.line) is not None
+    failures = [(consequence(error), when, rank) for rank, (when, error) in raised.items()]
+    failures += [(False, when, rank) for rank, when in died.items()]
+    return min(failures)[2] if failures else None
+
+
+def _wall_time(monotonic_at: float) -> float:
+    """A time.monotonic() instant as time.time(), to compare with file times."""
+    return time.time() - (time.monotonic() - monotonic_at)
+
+
+def _no_result(rank: int, world_size: int, target: str, workdir: Path, what: str) -> str:
+    tail = (workdir / f"rank{rank}.log").read_text()[-4000:]
+    return f"rank {rank} of {world_size} {what} ({target}); its log ends:\n{tail}"
 
 
 def _child_main(target: str, rank: int, world_size: int, workdir: Path) -> None:

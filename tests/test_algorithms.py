@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.topology.layout import ShardLayout
 from megatron.topology import ProcessGroups, ShardFactors, Topology
 from megatron.topology import compat
 from megatron.topology.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
@@ -48,18 +49,18 @@ def _algorithm(op: str, calls: list) -> str:
             return ALL_TO_ALL_SUM
         assert set(calls) == {"isend", "irecv"}, calls  # ours: k - 1 send/receive steps
         return RING_REDUCE_SCATTER
-    return {"allgather": {("native_all_gather",): RING_ALLGATHER}, "allreduce": {("all_reduce",): RING_ALLREDUCE},
+    return {"all_gather": {("native_all_gather",): RING_ALLGATHER}, "all_reduce": {("all_reduce",): RING_ALLREDUCE},
             "all_to_all": {("all_to_all_single",): PAIRWISE_ALL_TO_ALL}}[op][tuple(calls)]
 
 
 def _run(comm: Communicator, op: str, group, device: str) -> None:
     k, n = group.size, 4 * group.size
     full, part = torch.zeros(n, device=device), torch.zeros(n // k, device=device)
-    if op == "allgather":
+    if op == "all_gather":
         comm.all_gather(full, part, group, "control")
     elif op == "reduce_scatter":
         comm.reduce_scatter(part, full, group, "control")
-    elif op == "allreduce":
+    elif op == "all_reduce":
         comm.all_reduce(full, group, "control")
     else:
         comm.all_to_all(torch.zeros_like(full), full, group, "control")
@@ -75,13 +76,13 @@ def test_the_engine_and_the_time_model_choose_the_same_algorithm(recorded, layou
     topology = Topology.simulated(layout)
     seen = set()
     for rank in range(topology.world_size):
-        groups = ProcessGroups(topology, ShardFactors(*factors), rank, create=False)
+        groups = ProcessGroups(topology, ShardLayout.from_topology(topology, ShardFactors(*factors)), rank, create=False)
         comm = Communicator(groups)
         for kind in ("weight", "stride", "cross", "replica", "node", "rail", "world"):
             group = getattr(groups, kind)
             if group.size == 1:
                 continue
-            for op in ("allgather", "reduce_scatter", "allreduce", "all_to_all"):
+            for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
                 recorded.clear()
                 _run(comm, op, group, device)
                 ran = _algorithm(op, list(recorded))
@@ -98,4 +99,4 @@ def test_an_unknown_op_or_backend_is_refused():
     with pytest.raises(AlgorithmError, match="unknown collective op"):
         collective_algorithm("broadcast", "nccl", True)
     with pytest.raises(AlgorithmError, match="backend must be one of"):
-        collective_algorithm("allgather", "mpi", True)
+        collective_algorithm("all_gather", "mpi", True)

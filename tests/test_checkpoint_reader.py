@@ -6,9 +6,10 @@
   ranges and missing files refused.
 - 8 ranks zero3 (deepy) -> 4 ranks zero_topo (deepy): the resumed run continues like the reference;
   -> 4 ranks zero_topo / hsdp / zero_topo with INT8 refresh (dist_harness): every rank opens exactly
-  the files whose pieces overlap its weight chunk and optimizer slice (computed here from
-  index.json), fewer than 8, copies exactly its shard sizes in bytes, and ends in the same state as
-  the full-tensor path (`assemble_full_state` + `load_full_state`), bit for bit.
+  the files whose pieces overlap its optimizer slice (computed here from index.json; the weight
+  chunk is rebuilt by a refresh, not read), fewer than 8, copies exactly its slice sizes in bytes,
+  and ends in the same state as the full-tensor path (`assemble_full_state` + `load_full_state`),
+  bit for bit.
 - A checkpoint without index.json (saved before it existed) loads, with the notice.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 
 from conftest import REPO, run_deepy, tiny_run_config, train_losses
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.checkpointing.checkpointer import Checkpointer, CheckpointError, rank_file
 from megatron.checkpointing.index import INDEX, scan_step
 from megatron.checkpointing.param_slices import assemble_full_state, make_engine_state
@@ -225,32 +228,27 @@ def test_old_format_checkpoint_loads_with_notice(zero3_run, tmp_path, capsys):
 
 # ------------------------------------------------------------------ per rank, via dist_harness
 
-# (name, preset, refresh_bits, weights_only, weight_chunk): "files" reads the weight chunk's masters,
-# "refresh" rebuilds the chunk from the loaded 1/os master slices by the engine's refresh
-LOAD_CASES = (("zero_topo", "zero_topo", 0, False, "files"), ("hsdp", "hsdp", 0, False, "files"),
-              ("zero_topo_int8_refresh", "zero_topo", 8, False, "files"),
-              ("zero_topo_weights_only", "zero_topo", 0, True, "files"),
-              ("zero_topo_rebuilt", "zero_topo", 0, False, "refresh"),
-              ("zero_topo_int8_rebuilt", "zero_topo", 8, False, "refresh"), ("hsdp_rebuilt", "hsdp", 0, False, "refresh"))
+# (name, preset, refresh_bits, weights_only): the weight chunk is rebuilt from the loaded 1/os
+# master slices by the engine's refresh (INT8 with refresh_bits 8)
+LOAD_CASES = (("zero_topo", "zero_topo", 0, False), ("hsdp", "hsdp", 0, False),
+              ("zero_topo_int8_refresh", "zero_topo", 8, False), ("zero_topo_weights_only", "zero_topo", 0, True))
 
 
-def _expected_reads(engine, index: dict, weights_only: bool, weight_chunk: str) -> tuple[set[int], int]:
+def _expected_reads(engine, index: dict, weights_only: bool) -> tuple[set[int], int]:
     """From index.json's piece lists and this rank's ranges alone: the files whose pieces overlap
-    the rank's weight chunk (when read from files) or optimizer slice, and the fp32 bytes of them."""
+    the rank's optimizer slice, and the fp32 bytes of them."""
     files, nbytes = set(), 0
+    states = 1 if weights_only else 3
     for unit in engine.units:
-        ranges = [(unit.opt_range, 1 if weights_only else 3)]
-        if weight_chunk == "files":
-            ranges.append((unit.weight_range, 1))
-        for (lo, hi), states in ranges:
-            for slot in unit.slots:
-                a, b = max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset
-                if a >= b:
-                    continue
-                nbytes += 4 * states * (b - a)
-                for rank, entry in enumerate(index["files"]):
-                    if any(n == slot.name and o < b and o + l > a for n, o, l in entry["pieces"]):
-                        files.add(rank)
+        lo, hi = unit.opt_range
+        for slot in unit.slots:
+            a, b = max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset
+            if a >= b:
+                continue
+            nbytes += 4 * states * (b - a)
+            for rank, entry in enumerate(index["files"]):
+                if any(n == slot.name and o < b and o + l > a for n, o, l in entry["pieces"]):
+                    files.add(rank)
     return files, nbytes
 
 
@@ -259,9 +257,9 @@ def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> 
     from megatron.config import config_from_dict
     from megatron.engine import lm_loss
     from megatron.model import GPTNeoX
-    from megatron.topology import ProcessGroups, Topology, preset_factors
-    from megatron.engine import Communicator, ZeroTopoEngine, state_io
-    from megatron.engine.quantized import QuantSettings
+    from megatron.topology import ProcessGroups, Topology
+    from megatron.engine import Communicator, ZeroTopoEngine
+    from megatron.engine.quantized import QuantSpec
 
     step_dir, legacy_dir = Path(step_dir), Path(legacy_dir)
     cfg = config_from_dict(load_meta(step_dir)["config"])
@@ -273,9 +271,8 @@ def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> 
     def make(preset, refresh_bits):
         torch.manual_seed(0)
         model = GPTNeoX(cfg.model, cfg.model.padded_vocab_size)
-        groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
-        return ZeroTopoEngine(model, model.units(), lm_loss, cfg.optimizer, "fp32", groups, Communicator(groups),
-                              1, preset=preset, quant=QuantSettings(refresh_bits=refresh_bits, block=16))
+        groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
+        return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=cfg.optimizer, precision="fp32", accumulation_steps=1, quant=QuantSpec(refresh_bits=refresh_bits, block_size=16)))
 
     def same(a, b) -> bool:
         return a.step_count == b.step_count and all(
@@ -283,16 +280,13 @@ def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> 
             for k in ("shard", "master", "exp_avg", "exp_avg_sq"))
 
     out = {}
-    for name, preset, refresh_bits, weights_only, weight_chunk in LOAD_CASES:
+    for name, preset, refresh_bits, weights_only in LOAD_CASES:
         engine = make(preset, refresh_bits)
         reader = CheckpointReader(step_dir, rank)
-        if weight_chunk == "refresh":  # the training path
-            engine.load_checkpoint(reader, weights_only=weights_only)
-        else:
-            state_io.load_from_reader(engine, reader, weights_only=weights_only, weight_chunk=weight_chunk)
+        engine.load_checkpoint(reader, weights_only=weights_only)  # the training path
         oracle = make(preset, refresh_bits)
         oracle.load_full_state({**full, "step": 0, "exp_avg": zeros, "exp_avg_sq": zeros} if weights_only else full)
-        files, nbytes = _expected_reads(engine, index, weights_only, weight_chunk)
+        files, nbytes = _expected_reads(engine, index, weights_only)
         out[name] = {"opened": list(reader.opened), "expected_files": files, "bytes": reader.bytes_copied,
                      "expected_bytes": nbytes, "same_as_full_path": same(engine, oracle),
                      "factors": engine.groups.factors.as_tuple(), "step": engine.step_count,
@@ -315,7 +309,7 @@ def test_each_rank_reads_only_the_files_overlapping_its_slices(zero3_run, tmp_pa
     results = run_ranks("test_checkpoint_reader:_load_worker", 4, tmp_path / "ranks",
                         step_dir=str(step), legacy_dir=str(legacy))
     assert "has no index.json" in (tmp_path / "ranks" / "rank0.log").read_text()
-    for name, _preset, _bits, weights_only, weight_chunk in LOAD_CASES:
+    for name, _preset, _bits, weights_only in LOAD_CASES:
         fewer = []
         for rank, result in enumerate(results):
             r = result[name]
@@ -323,10 +317,9 @@ def test_each_rank_reads_only_the_files_overlapping_its_slices(zero3_run, tmp_pa
             assert set(r["opened"]) == r["expected_files"] and len(r["opened"]) == len(set(r["opened"])), (name, rank, r)
             assert r["bytes"] == r["expected_bytes"], (name, rank, r["bytes"], r["expected_bytes"])
             full_model = 3 * 4 * r["params"]  # every parameter and both moments, fp32
-            w, _g, os = r["factors"]
-            # ~ the rank's shards (weight chunk + 3 x optimizer slice), not the model
-            weight_part = 1 / w if weight_chunk == "files" else 0
-            assert r["bytes"] <= 4 * r["padded"] * (weight_part + (1 if weights_only else 3) / os) < full_model
+            _w, _g, os = r["factors"]
+            # ~ the rank's optimizer slices (3 states, or the master alone), not the model
+            assert r["bytes"] <= 4 * r["padded"] * (1 if weights_only else 3) / os < full_model
             assert r["step"] == (0 if weights_only else 2)
             fewer.append(len(r["opened"]) < 8)
         assert any(fewer), name

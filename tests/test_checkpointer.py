@@ -126,3 +126,25 @@ def test_missing_rank_file_names_layout(tmp_path):
     path = _save(tmp_path, 3)
     with pytest.raises(CheckpointError, match="different layout"):
         load_rank_state(path, 1)
+
+
+class _NotPlainData:
+    """Something only a full unpickle could rebuild (and so could run code on load)."""
+
+
+def test_rank_files_load_with_weights_only(tmp_path):
+    """Rank files hold only dicts, lists, tensors, strings and numbers, and load with
+    weights_only=True; a file holding anything else is refused in one line, not unpickled."""
+    from megatron.checkpointing.checkpointer import rank_file, read_rank_file
+    state = {"engine": {"format": "x", "step": 2, "shapes": {"w": [3]}, "preset": None, "factors": [1, 1, 1],
+                        "loss_scaler": {"scale": 1.0, "clean_steps": 0}, "pieces": [{"name": "w", "offset": 0}]},
+             "rng": {"torch": torch.get_rng_state()}}
+    path = _save(tmp_path, 1).parent / "global_step2"
+    Checkpointer(str(tmp_path / "ck"), rank=0, world_size=1, barrier=lambda: None).save(2, state, {})
+    loaded = read_rank_file(rank_file(path, 0), mmap=True)
+    assert loaded["engine"]["loss_scaler"] == {"scale": 1.0, "clean_steps": 0}
+    assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
+    torch.save({"engine": _NotPlainData()}, rank_file(path, 0))
+    with pytest.raises(CheckpointError) as err:
+        load_rank_state(path, 0)
+    assert "\n" not in str(err.value) and "holds objects other than tensors" in str(err.value)

@@ -9,7 +9,10 @@ head) stays gathered from its forward to its backward: it has no backward gather
 import pytest
 
 from megatron.analytic.comm_model import (
-    CommModelError, CommSpec, QuantSpec, predict_ledger, predict_ledger_per_rank, transformer_block_units)
+    CommModelError, CommSpec, predict_ledger, predict_ledger_per_rank, transformer_block_units)
+from megatron.ops.quant.spec import QuantSpec
+from megatron.topology import TopologyError
+from megatron.topology.layout import ShardLayout
 
 UNITS = (100, 240, 240, 96)
 LAYOUT = (2, 2, 2)
@@ -86,13 +89,13 @@ EXPECTED = {
 
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
 def test_hand_computed_ledger(preset):
-    spec = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=2, compute_bytes=4)
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset), micro_batches=2, compute_bytes=4)
     assert predict_ledger(spec) == {**EXPECTED[preset], **CONTROL}
 
 
 def test_zero_topo_bf16_checkpointing_eval_fp32_allreduce():
     # c = 2, blocks (units 1, 2) checkpointed, 1 eval pass, step-boundary hops in fp32. S = 104, 240, 240, 96.
-    spec = CommSpec(UNITS, LAYOUT, preset="zero_topo", micro_batches=2, compute_bytes=2,
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), micro_batches=2, compute_bytes=2,
                     fp32_allreduce=True, checkpointed_units=BLOCKS, eval_forward_passes=1)
     expected = {
         # weight-pair gather of 2S bytes: S per rank per pass. eval: 680 x 8 ranks.
@@ -117,7 +120,7 @@ def test_zero_topo_bf16_checkpointing_eval_fp32_allreduce():
 def test_zeropp_eval_takes_the_world_gather():
     # With an eval pass in the window, the first gather after the update is the eval's (world);
     # every training gather is then node-local. Blocks checkpointed; fp32; A = 2.
-    spec = CommSpec(UNITS, LAYOUT, preset="zeropp", micro_batches=2, checkpointed_units=BLOCKS,
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zeropp"), micro_batches=2, checkpointed_units=BLOCKS,
                     eval_forward_passes=1)
     expected = {
         ("eval_gather", "intra_gpu"): 9520, ("eval_gather", "intra_node"): 4760, ("eval_gather", "inter_node"): 4760,
@@ -136,7 +139,7 @@ def test_zeropp_eval_takes_the_world_gather():
 def test_hsdp_per_rank_follows_ring_order():
     # Weight group {0,1,2,3}: rank 0 sends to 1 (intra_gpu), rank 1 to 2 (intra_node), rank 3 to 0
     # (intra_node); 4080 per rank per gather phase (see EXPECTED["hsdp"]). Replica: 680 inter_node.
-    per_rank = predict_ledger_per_rank(CommSpec(UNITS, LAYOUT, preset="hsdp", micro_batches=2))
+    per_rank = predict_ledger_per_rank(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="hsdp"), micro_batches=2))
     assert per_rank[0][("fwd_gather", "intra_gpu")] == 4080
     assert ("fwd_gather", "intra_node") not in per_rank[0]
     assert per_rank[1][("fwd_gather", "intra_node")] == 4080
@@ -154,7 +157,7 @@ def test_two_tier_zero_topo():
     # 2S bytes -> S = 676 per rank -> 2704 inter_node; refresh the same. Control, N = 4: grad norm 16 B
     # -> 2 x 3/4 x 16 = 24; step vector 3 -> 4 float64 = 32 B -> 48; ledger 30 -> 32 float64 = 256 B -> 384;
     # 456 per rank; world ring 0-1 node, 1-2 inter, 2-3 node, 3-0 inter -> 2 x 456 = 912 each.
-    spec = CommSpec(UNITS, (2, 2), preset="zero_topo")
+    spec = CommSpec(UNITS, ShardLayout.resolve((2, 2), preset="zero_topo"))
     assert predict_ledger(spec) == {
         ("fwd_gather", "intra_node"): 5408, ("bwd_gather", "intra_node"): 4640, ("grad_reduce", "intra_node"): 5408,
         ("cross_grad_reduce", "inter_node"): 2704, ("refresh", "inter_node"): 2704,
@@ -176,7 +179,7 @@ def test_two_tier_zero_topo():
                     "all_reduce": {"intra_node": 8160, "inter_node": 8160}}),
 ])
 def test_paper_all_reduce_cross_hop_sends_twice_the_reduce_scatter(factors, compute_bytes, expected):
-    ledgers = {how: predict_ledger(CommSpec(UNITS, LAYOUT, factors=factors, micro_batches=2, compute_bytes=compute_bytes,
+    ledgers = {how: predict_ledger(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, shard_factors=factors), micro_batches=2, compute_bytes=compute_bytes,
                                             cross_node_reduction=how))
                for how in ("reduce_scatter", "all_reduce")}
     for how, ledger in ledgers.items():
@@ -190,13 +193,13 @@ def test_two_ranks_eval_loss_vector_is_not_the_step_vector():
     # Each allreduce over 2 ranks sends 2 x 1/2 x B = B per rank. Replica allreduce of S fp32 = 8 B.
     # Control: grad norm 2 fp32 = 8 B; step vector 3 -> 4 float64 = 32 B; ledger 30 float64 = 240 B;
     # eval vector 2 float64 = 16 B (not padded to the step vector's 4): 8 + 32 + 240 + 16 = 296 per rank.
-    spec = CommSpec((2,), (1, 2), preset="stage0", eval_forward_passes=1)
+    spec = CommSpec((2,), ShardLayout.resolve((1, 2), preset="stage0"), eval_forward_passes=1)
     assert predict_ledger(spec) == {("replica_allreduce", "intra_node"): 16, ("control", "intra_node"): 592}
 
 
 @pytest.mark.parametrize("preset", ["stage0", "stage2", "hsdp", "zero_topo", "zeropp"])
 def test_per_rank_sums_to_total(preset):
-    spec = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=3, compute_bytes=2,
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset), micro_batches=3, compute_bytes=2,
                     checkpointed_units=transformer_block_units(len(UNITS)), eval_forward_passes=2)
     total: dict = {}
     for entries in predict_ledger_per_rank(spec).values():
@@ -205,19 +208,28 @@ def test_per_rank_sums_to_total(preset):
     assert total == predict_ledger(spec)
 
 
+@pytest.mark.parametrize("tiers, kwargs, message", [
+    ((8,), dict(preset="stage3"), "layout"),
+    ((2, 2, 2), dict(preset="stage4"), "unknown ZeRO preset"),
+    ((2, 2, 2), dict(shard_factors=(2, 3, 6)), "w | g | os"),
+    ((2, 2, 2), dict(shard_factors=(2, 4, 16)), "w | g | os"),
+])
+def test_bad_layouts_are_refused_by_the_layout(tiers, kwargs, message):
+    with pytest.raises(TopologyError, match=message):
+        ShardLayout.resolve(tiers, **kwargs)
+
+
+HSDP, ZERO_TOPO, ZEROPP = (ShardLayout.resolve((2, 2, 2), preset=p) for p in ("hsdp", "zero_topo", "zeropp"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(layout=(8,), preset="stage3"), "layout"),
-    (dict(layout=(2, 2, 2), preset="stage4"), "unknown ZeRO preset"),
-    (dict(layout=(2, 2, 2), factors=(2, 3, 6)), "w | g | os"),
-    (dict(layout=(2, 2, 2), factors=(2, 4, 16)), "w | g | os"),
-    (dict(layout=(2, 2, 2), preset="hsdp", factors=(1, 1, 1)), "exactly one"),
-    (dict(layout=(2, 2, 2), preset="hsdp", compute_bytes=3), "compute_bytes"),
-    (dict(layout=(2, 2, 2), preset="hsdp", checkpointed_units={7}), "checkpointed_units"),
-    (dict(layout=(2, 2, 2), preset="hsdp", quant=QuantSpec(refresh_bits=16)), "refresh_bits"),
-    (dict(layout=(2, 2, 2), preset="zero_topo", cross_node_reduction="ring"), "cross_node_reduction must be one of"),
-    (dict(layout=(2, 2, 2), preset="zero_topo", cross_node_reduction="all_reduce",
+    (dict(layout=(2, 2, 2)), "layout must be a ShardLayout"),
+    (dict(layout=HSDP, compute_bytes=3), "compute_bytes"),
+    (dict(layout=HSDP, checkpointed_units={7}), "checkpointed_units"),
+    (dict(layout=ZERO_TOPO, cross_node_reduction="ring"), "cross_node_reduction must be one of"),
+    (dict(layout=ZERO_TOPO, cross_node_reduction="all_reduce",
           quant=QuantSpec(cross_node_grad_bits=4)), r"needs cross_node_grad_bits 0 \(got 4\)"),
-    (dict(layout=(2, 2, 2), preset="zeropp", cross_node_reduction="all_reduce"), "not zeropp"),
+    (dict(layout=ZEROPP, cross_node_reduction="all_reduce"), "not zeropp"),
 ])
 def test_bad_specs_are_refused(kwargs, message):
     with pytest.raises(CommModelError, match=message):

@@ -1,6 +1,7 @@
 """Memory model against hand-computed tables, and GPT-NeoX unit sizes."""
 import pytest
 
+from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import CommSpec
 from megatron.analytic.memory_model import neox_unit_sizes, predict_model_state_bytes
 
@@ -11,33 +12,33 @@ LAYOUT = (2, 2, 2)
 # weights S/w x 4, grad accumulator S/g x 4, master S/os x 4, moments 2 x S/os x 4.
 EXPECTED = {
     # (1,1,1): 680 x 4 = 2720 for weights, grads and master; moments 5440; total 3 x 2720 + 5440 = 13600
-    "stage0": dict(weights=2720, zeropp_secondary=0, grad_accumulator=2720, master=2720, moments=5440, total=13600),
+    "stage0": dict(weights=2720, secondary=0, grad_accumulator=2720, master=2720, moments=5440, total=13600),
     # (1,1,8): weights 680 x 4 = 2720, grads 2720, master 85 x 4 = 340, moments 680; total 6460
-    "stage1": dict(weights=2720, zeropp_secondary=0, grad_accumulator=2720, master=340, moments=680, total=6460),
+    "stage1": dict(weights=2720, secondary=0, grad_accumulator=2720, master=340, moments=680, total=6460),
     # (1,8,8): weights 2720, grads 340, master 340, moments 680; total 4080
-    "stage2": dict(weights=2720, zeropp_secondary=0, grad_accumulator=340, master=340, moments=680, total=4080),
+    "stage2": dict(weights=2720, secondary=0, grad_accumulator=340, master=340, moments=680, total=4080),
     # (8,8,8): 85 x 4 = 340 each, moments 680; total 1700
-    "stage3": dict(weights=340, zeropp_secondary=0, grad_accumulator=340, master=340, moments=680, total=1700),
+    "stage3": dict(weights=340, secondary=0, grad_accumulator=340, master=340, moments=680, total=1700),
     # (4,4,4): S/4 = 26 + 60 + 60 + 24 = 170 -> 170 x 4 = 680 each, moments 1360; total 3 x 680 + 1360 = 3400
-    "hsdp": dict(weights=680, zeropp_secondary=0, grad_accumulator=680, master=680, moments=1360, total=3400),
+    "hsdp": dict(weights=680, secondary=0, grad_accumulator=680, master=680, moments=1360, total=3400),
     # (2,4,8): weights 340 x 4 = 1360, grads 170 x 4 = 680, master 85 x 4 = 340, moments 680; total 3060
-    "zero_topo": dict(weights=1360, zeropp_secondary=0, grad_accumulator=680, master=340, moments=680, total=3060),
+    "zero_topo": dict(weights=1360, secondary=0, grad_accumulator=680, master=340, moments=680, total=3060),
     # zeropp: everything over N = 8 (340), secondary S/R = 170 x 4 = 680; total 340 x 3 + 680 + 680 = 2380
-    "zeropp": dict(weights=340, zeropp_secondary=680, grad_accumulator=340, master=340, moments=680, total=2380),
+    "zeropp": dict(weights=340, secondary=680, grad_accumulator=340, master=340, moments=680, total=2380),
 }
 
 
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
 def test_hand_computed_memory(preset):
-    states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset=preset))
+    states = predict_model_state_bytes(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset)))
     assert states["per_rank"] == EXPECTED[preset]
     assert all(states[r] == EXPECTED[preset] for r in range(8))
 
 
 def test_bf16_halves_only_the_compute_dtype_states():
     # zero_topo in bf16: weights 340 x 2 = 680; fp32 states unchanged (680, 340, 680); total 2380.
-    states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset="zero_topo", compute_bytes=2))
-    assert states["per_rank"] == dict(weights=680, zeropp_secondary=0, grad_accumulator=680, master=340,
+    states = predict_model_state_bytes(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), compute_bytes=2))
+    assert states["per_rank"] == dict(weights=680, secondary=0, grad_accumulator=680, master=340,
                                       moments=680, total=2380)
 
 

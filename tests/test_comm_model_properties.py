@@ -1,6 +1,7 @@
 """Structural properties of the communication model that hold for any unit sizes."""
 import pytest
 
+from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import (
     CommSpec, bytes_by_tier, groups_of_kind, predict_ledger, ring_hops, tier_between, transformer_block_units)
 from megatron.topology import Topology
@@ -20,15 +21,15 @@ def inter_node_bytes(spec):
     ((2, 2, 2), "stage0"), ((2, 2, 2), "stage1"), ((2, 2, 2), "stage2"),
     ((2, 2, 2), (1, 2, 8)), ((3, 2, 2), (1, 4, 4)), ((4, 4), (1, 4, 16))])
 def test_ladder_with_w1_has_no_gather_bytes(layout, factors):
-    kind = {"preset": factors} if isinstance(factors, str) else {"factors": factors}
-    spec = CommSpec(UNITS, layout, micro_batches=3, eval_forward_passes=2,
-                    checkpointed_units=transformer_block_units(len(UNITS)), **kind)
+    kind = {"preset": factors} if isinstance(factors, str) else {"shard_factors": factors}
+    spec = CommSpec(UNITS, ShardLayout.resolve(layout, **kind), micro_batches=3, eval_forward_passes=2,
+                    checkpointed_units=transformer_block_units(len(UNITS)))
     assert not [key for key in predict_ledger(spec) if key[0] in GATHERS]
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 2), (3, 4, 2), (4, 2, 2)])
 def test_zero_topo_keeps_micro_step_traffic_inside_nodes(layout):
-    spec = CommSpec(UNITS, layout, preset="zero_topo", micro_batches=4, eval_forward_passes=1,
+    spec = CommSpec(UNITS, ShardLayout.resolve(layout, preset="zero_topo"), micro_batches=4, eval_forward_passes=1,
                     checkpointed_units=transformer_block_units(len(UNITS)))
     ledger = predict_ledger(spec)
     assert not [key for key in ledger if key[1] == "inter_node" and key[0] in GATHERS + ("grad_reduce",)]
@@ -40,7 +41,7 @@ def test_zero_topo_keeps_micro_step_traffic_inside_nodes(layout):
 
 def test_zero_topo_inter_node_is_flat_in_accumulation_zero3_linear():
     def inter(preset, a):
-        return inter_node_bytes(CommSpec(UNITS, (4, 2, 2), preset=preset, micro_batches=a, compute_bytes=2))
+        return inter_node_bytes(CommSpec(UNITS, ShardLayout.resolve((4, 2, 2), preset=preset), micro_batches=a, compute_bytes=2))
 
     topo = [inter("zero_topo", a) for a in (1, 2, 5)]
     assert topo[0] == topo[1] == topo[2] > 0
@@ -49,7 +50,7 @@ def test_zero_topo_inter_node_is_flat_in_accumulation_zero3_linear():
     assert per_micro_step > 0
     assert [b - a for a, b in zip(zero3, zero3[1:])] == [per_micro_step] * 3
     # what does not grow is exactly the control traffic
-    control = predict_ledger(CommSpec(UNITS, (4, 2, 2), preset="stage3", compute_bytes=2))[("control", "inter_node")]
+    control = predict_ledger(CommSpec(UNITS, ShardLayout.resolve((4, 2, 2), preset="stage3"), compute_bytes=2))[("control", "inter_node")]
     assert zero3[0] - per_micro_step == control
 
 
@@ -75,7 +76,7 @@ def test_tier_between_follows_coordinates():
 
 def test_groups_match_the_worked_example():
     # engine.md / ARCHITECTURE.md: N = 8 as 2 x 2 x 2 with (w, g, os) = (2, 4, 8).
-    spec = CommSpec(UNITS, (2, 2, 2), factors=(2, 4, 8))
+    spec = CommSpec(UNITS, ShardLayout.resolve((2, 2, 2), shard_factors=(2, 4, 8)))
     assert groups_of_kind("weight", spec) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert sorted(groups_of_kind("stride", spec)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert sorted(groups_of_kind("cross", spec)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -83,7 +84,7 @@ def test_groups_match_the_worked_example():
 
 
 def test_every_kind_partitions_the_world():
-    spec = CommSpec(UNITS, (3, 2, 2), factors=(2, 4, 12))
+    spec = CommSpec(UNITS, ShardLayout.resolve((3, 2, 2), shard_factors=(2, 4, 12)))
     for kind in ("weight", "stride", "cross", "replica", "node", "world"):
         members = sorted(r for grp in groups_of_kind(kind, spec) for r in grp)
         assert members == list(range(12)), kind
@@ -108,14 +109,14 @@ def test_a_node_ordered_world_ring_crosses_each_node_boundary_once():
     fp = footprint([list(range(8))], (2, 2, 2), "ring_allgather")
     assert fp.domain_load == {"inter_node": 0.875, "intra_node": 0.875, "intra_gpu": 0.875}
     # Cross pairs {r, r+4}: a node sends its 4 ranks' halves at once; nothing moves inside the node.
-    pairs = groups_of_kind("cross", CommSpec(UNITS, (2, 2, 2), preset="zero_topo"))
+    pairs = groups_of_kind("cross", CommSpec(UNITS, ShardLayout.resolve((2, 2, 2), preset="zero_topo")))
     assert footprint(pairs, (2, 2, 2), "ring_allgather").domain_load == {
         "inter_node": 2.0, "intra_node": 0.0, "intra_gpu": 0.0}
 
 
 def test_step_time_responds_to_bandwidth_and_compute():
     units = neox_unit_sizes(4, 512, 8, 1024)
-    spec = CommSpec(units, (4, 4, 2), preset="zero_topo", micro_batches=2, compute_bytes=2)
+    spec = CommSpec(units, ShardLayout.resolve((4, 4, 2), preset="zero_topo"), micro_batches=2, compute_bytes=2)
     hw = frontier((4, 4, 2))
     base = step_time(spec, hw, work(units, overlap=False))
     faster = Hardware({t: TierLink(2 * link.bandwidth, link.latency_s) for t, link in hw.links.items()},
@@ -124,7 +125,7 @@ def test_step_time_responds_to_bandwidth_and_compute():
     assert compute_of(fast) == compute_of(base)
     assert 0 < sum(fast.comm_s.values()) < sum(base.comm_s.values())
     assert step_time(spec, hw, work(units)).total_s <= base.total_s
-    more = step_time(CommSpec(units, (4, 4, 2), preset="zero_topo", micro_batches=4, compute_bytes=2), hw,
+    more = step_time(CommSpec(units, ShardLayout.resolve((4, 4, 2), preset="zero_topo"), micro_batches=4, compute_bytes=2), hw,
                      work(units, overlap=False))
     assert compute_of(more) == pytest.approx(2 * compute_of(base))
     assert set(base.comm_s) <= {"fwd_gather", "bwd_gather", "grad_reduce", "cross_grad_reduce", "refresh", "control"}
@@ -134,7 +135,7 @@ def test_zero_topo_is_faster_than_zero3_across_slow_links():
     # 20B shape, 48 Frontier nodes, 8 micro-batches: zero3 moves ~6 x params per GCD over the NICs.
     units = neox_unit_sizes(44, 6144, 64, 50432)
     hw = frontier((48, 4, 2))
-    times = {p: step_time(CommSpec(units, (48, 4, 2), preset=p, micro_batches=8, compute_bytes=2), hw,
+    times = {p: step_time(CommSpec(units, ShardLayout.resolve((48, 4, 2), preset=p), micro_batches=8, compute_bytes=2), hw,
                           work(units, overlap=False))
              for p in ("stage3", "zero_topo")}
     assert sum(times["zero_topo"].comm_s.values()) < sum(times["stage3"].comm_s.values())
@@ -146,7 +147,7 @@ def test_overlap_hides_communication_only_where_the_engine_overlaps():
     units = neox_unit_sizes(4, 512, 8, 1024)
     hw = frontier((4, 4, 2))
     for preset, micro_step_comm in (("stage3", True), ("zero_topo", True), ("stage1", False)):
-        spec = CommSpec(units, (4, 4, 2), preset=preset, micro_batches=2, compute_bytes=2)
+        spec = CommSpec(units, ShardLayout.resolve((4, 4, 2), preset=preset), micro_batches=2, compute_bytes=2)
         flat, overlapped = step_time(spec, hw, work(units, overlap=False)), step_time(spec, hw, work(units))
         assert overlapped.total_s <= flat.total_s
         assert (overlapped.hidden_s > 0) == micro_step_comm, preset

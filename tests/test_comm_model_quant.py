@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import (
-    CommModelError, CommSpec, QuantSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
+    CommModelError, CommSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
     predict_ledger_per_rank, transformer_block_units)
+from megatron.ops.quant.spec import QuantSpec, QuantSpecError
 from megatron.topology import Topology
 from megatron.analytic.hardware import Hardware
 from megatron.analytic.time_model import StepWork, footprint, step_time
@@ -40,17 +42,17 @@ def test_packed_message_bytes():
 
 
 def test_padding_is_n_times_the_block_when_any_phase_is_quantized():
-    assert padded_unit_numels(CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=ALL_QUANTIZED)) == (128, 256, 256, 96)
+    assert padded_unit_numels(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), quant=ALL_QUANTIZED)) == (128, 256, 256, 96)
     only_refresh = QuantSpec(refresh_bits=8, block_size=4)
-    assert padded_unit_numels(CommSpec(UNITS, LAYOUT, preset="stage2", quant=only_refresh)) == (128, 256, 256, 96)
+    assert padded_unit_numels(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="stage2"), quant=only_refresh)) == (128, 256, 256, 96)
     # feedback alone quantizes nothing: q stays N = 8
     feedback_only = QuantSpec(block_size=4, error_feedback=True)
-    assert padded_unit_numels(CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=feedback_only)) == (104, 240, 240, 96)
+    assert padded_unit_numels(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), quant=feedback_only)) == (104, 240, 240, 96)
 
 
 def test_zero_topo_all_quantized():
     # (w, g, os) = (2, 4, 8), fp32, A = 2; INT8 weights, INT4 grads, INT4 cross, INT8 refresh.
-    spec = CommSpec(UNITS, LAYOUT, preset="zero_topo", micro_batches=2, compute_bytes=4, quant=ALL_QUANTIZED)
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), micro_batches=2, compute_bytes=4, quant=ALL_QUANTIZED)
     assert predict_ledger(spec) == {
         # weight pairs (intra_gpu): allgather of 2 INT8 messages of S/2 -> B = 2 x 2 x S/2 = 2S bytes;
         #   each member sends 1/2 x B = S = 736 per gather; x A = 2 -> 1472 per rank, x 8 ranks.
@@ -74,16 +76,16 @@ def test_zero_topo_all_quantized_memory():
     # weights S/2 x 4 = 368 x 4 = 1472; grad accumulator S/4 x 4 = 184 x 4 = 736; master S/8 x 4 =
     # 92 x 4 = 368; moments 736; error feedback, fp32, on the cross-node hop only, its input S/4 x 4 =
     # 736 (the weight and stride hops inside the node keep none). Total 1472 + 736 + 368 + 736 + 736 = 4048.
-    expected = dict(weights=1472, zeropp_secondary=0, grad_accumulator=736, master=368, moments=736,
+    expected = dict(weights=1472, secondary=0, grad_accumulator=736, master=368, moments=736,
                     error_feedback=736, total=4048)
-    states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=ALL_QUANTIZED))
+    states = predict_model_state_bytes(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), quant=ALL_QUANTIZED))
     assert states["per_rank"] == expected
     assert all(states[r] == expected for r in range(8))
 
 
 def test_zeropp_qwz_qgz():
     # zeropp, fp32, A = 2, INT8 weights (qwZ), INT4 two-hop gradients (qgZ), b = 4, R = 4.
-    spec = CommSpec(UNITS, LAYOUT, preset="zeropp", micro_batches=2, compute_bytes=4, quant=ALL_QUANTIZED)
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zeropp"), micro_batches=2, compute_bytes=4, quant=ALL_QUANTIZED)
     assert predict_ledger(spec) == {
         # first forward gather over the world: 8 INT8 messages of S/8 -> B = 2S; 7/8 x 2S = 1288 per
         #   rank; world ring (4 gpu, 2 node, 2 inter hops): 5152 / 2576 / 2576.
@@ -109,14 +111,14 @@ def test_zeropp_qwz_qgz_memory():
     # weights S/8 x 4 = 92 x 4 = 368; secondary = INT8 message of S/4: 2 x 184 = 368; grad accumulator,
     # master 368 each; moments 736; error feedback on the cross-node hop 2 only, its input S/4 x 4 = 736
     # (hop 1 inside the node keeps none). Total 4 x 368 + 736 + 736 = 2944.
-    states = predict_model_state_bytes(CommSpec(UNITS, LAYOUT, preset="zeropp", quant=ALL_QUANTIZED))
-    assert states["per_rank"] == dict(weights=368, zeropp_secondary=368, grad_accumulator=368, master=368,
+    states = predict_model_state_bytes(CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zeropp"), quant=ALL_QUANTIZED))
+    assert states["per_rank"] == dict(weights=368, secondary=368, grad_accumulator=368, master=368,
                                       moments=736, error_feedback=736, total=2944)
 
 
 def test_stage3_int8_weights_only():
     # (8, 8, 8), fp32, A = 2; only weight gathers quantized (b = 4 still pads to q = 32).
-    spec = CommSpec(UNITS, LAYOUT, preset="stage3", micro_batches=2, quant=QuantSpec(weight_gather_bits=8, block_size=4))
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="stage3"), micro_batches=2, quant=QuantSpec(weight_gather_bits=8, block_size=4))
     assert predict_ledger(spec) == {
         # world gathers of 8 INT8 messages of S/8: B = 2S, 7/8 x 2S = 1288 per rank, x 2 = 2576;
         #   world ring: gpu 4 x 2576, node 2 x, inter 2 x.
@@ -128,14 +130,14 @@ def test_stage3_int8_weights_only():
         **CONTROL}
     # no error-feedback category without feedback; S/8 = 92 -> 368 per fp32 state
     assert predict_model_state_bytes(spec)["per_rank"] == dict(
-        weights=368, zeropp_secondary=0, grad_accumulator=368, master=368, moments=736, total=1840)
+        weights=368, secondary=0, grad_accumulator=368, master=368, moments=736, total=1840)
 
 
 def test_stage1_quantized_cross_hop_is_a_world_all_to_all():
     # (1, 1, 8): weight and stride groups have one rank (no hop, no residual); the cross group is the
     # world. from_settings(quantized_gradients) -> grad 4, cross 4. fp32, A = 2 (no micro-step traffic).
     quant = QuantSpec.from_settings(quantized_gradients=True, block_size=4, error_feedback=True)
-    spec = CommSpec(UNITS, LAYOUT, preset="stage1", micro_batches=2, quant=quant)
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="stage1"), micro_batches=2, quant=quant)
     assert predict_ledger(spec) == {
         # input S, B = 8 x 1.5 x S/8 = 1.5S = 1104; B/8 = 138 to each of 7 peers: per rank 1 intra_gpu,
         #   2 intra_node, 4 inter_node peers -> 138 / 276 / 552 per rank, x 8.
@@ -147,13 +149,13 @@ def test_stage1_quantized_cross_hop_is_a_world_all_to_all():
     # weights S x 4 = 2944, accumulator S x 4 = 2944, master 368, moments 736, one residual (cross hop,
     # input S/g = S): 2944. Total 2944 x 3 + 368 + 736 = 9936.
     assert predict_model_state_bytes(spec)["per_rank"] == dict(
-        weights=2944, zeropp_secondary=0, grad_accumulator=2944, master=368, moments=736, error_feedback=2944,
+        weights=2944, secondary=0, grad_accumulator=2944, master=368, moments=736, error_feedback=2944,
         total=9936)
 
 
 def test_zero_topo_bf16_cross_and_refresh_only():
     # FIELD_NOTES' setting: INT4 cross-node gradients, INT8 refresh, everything else bf16 (c = 2), A = 1.
-    spec = CommSpec(UNITS, LAYOUT, preset="zero_topo", compute_bytes=2,
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), compute_bytes=2,
                     quant=QuantSpec(cross_node_grad_bits=4, refresh_bits=8, block_size=4))
     assert predict_ledger(spec) == {
         # weight pairs, bf16: buffer 2S bytes, 1/2 -> S = 736 per rank, x 8 ranks, per phase.
@@ -168,12 +170,12 @@ def test_zero_topo_bf16_cross_and_refresh_only():
         **CONTROL}
     # weights S/2 x 2 = 736, accumulator 736, master 368, moments 736: 2576.
     assert predict_model_state_bytes(spec)["per_rank"] == dict(
-        weights=736, zeropp_secondary=0, grad_accumulator=736, master=368, moments=736, total=2576)
+        weights=736, secondary=0, grad_accumulator=736, master=368, moments=736, total=2576)
 
 
 def test_two_tier_zeropp_qwz_qgz():
     # 2 nodes x 2 ranks (N = 4, R = 2), q = 16: S = 112, 240, 240, 96 (688). fp32, A = 1.
-    spec = CommSpec(UNITS, (2, 2), preset="zeropp", quant=ALL_QUANTIZED)
+    spec = CommSpec(UNITS, ShardLayout.resolve((2, 2), preset="zeropp"), quant=ALL_QUANTIZED)
     assert padded_unit_numels(spec) == (112, 240, 240, 96)
     assert predict_ledger(spec) == {
         # world gather, 4 INT8 messages of S/4: B = 2S; 3/4 x 2S = 1032 per rank; world ring 0-1 node,
@@ -190,7 +192,7 @@ def test_two_tier_zeropp_qwz_qgz():
     # weights S/4 x 4 = 688; secondary INT8 message of S/2 = 2 x 344 = 688; accumulator, master 688;
     # moments 1376; one residual, hop 2 (across nodes): S/2 x 4 = 1376. Total 4 x 688 + 1376 + 1376 = 5504.
     assert predict_model_state_bytes(spec)["per_rank"] == dict(
-        weights=688, zeropp_secondary=688, grad_accumulator=688, master=688, moments=1376, error_feedback=1376,
+        weights=688, secondary=688, grad_accumulator=688, master=688, moments=1376, error_feedback=1376,
         total=5504)
 
 
@@ -213,20 +215,25 @@ def test_from_settings_applies_the_documented_defaults(kwargs, bits):
     assert quant.block_size == 64 and quant.error_feedback
 
 
-@pytest.mark.parametrize("quant, message", [
-    (QuantSpec(refresh_bits=16), "refresh_bits"),
-    (QuantSpec(grad_reduce_bits=2), "grad_reduce_bits"),
-    (QuantSpec(weight_gather_bits=8, block_size=0), "block_size"),
-    (QuantSpec(grad_reduce_bits=4, block_size=5), "even"),
-    ({"refresh": 8}, "QuantSpec"),
+@pytest.mark.parametrize("fields, message", [
+    (dict(refresh_bits=16), "refresh_bits"),
+    (dict(grad_reduce_bits=2), "grad_reduce_bits"),
+    (dict(weight_gather_bits=8, block_size=0), "block_size"),
+    (dict(grad_reduce_bits=4, block_size=5), "even"),
+    (dict(weight_gather_bits=4), "weight_gather_bits"),  # INT4 weights: refused by the one spec
 ])
-def test_bad_quant_settings_are_refused(quant, message):
-    with pytest.raises(CommModelError, match=message):
-        CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=quant)
+def test_bad_quant_settings_are_refused(fields, message):
+    with pytest.raises(QuantSpecError, match=message):
+        QuantSpec(**fields)
+
+
+def test_a_quant_that_is_not_a_spec_is_refused():
+    with pytest.raises(CommModelError, match="QuantSpec"):
+        CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), quant={"refresh": 8})
 
 
 def test_odd_block_is_fine_at_eight_bits():
-    spec = CommSpec(UNITS, LAYOUT, preset="zero_topo", quant=QuantSpec(weight_gather_bits=8, block_size=3))
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), quant=QuantSpec(weight_gather_bits=8, block_size=3))
     assert padded_unit_numels(spec) == (120, 240, 240, 96)  # q = 24
 
 
@@ -251,11 +258,11 @@ def test_quantized_phase_bytes_scale_by_the_message_ratio(layout):
     quant = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8,
                       block_size=block)
     for c in (2, 4):
-        base = CommSpec(units, layout, preset="zero_topo", micro_batches=3, compute_bytes=c,
+        base = CommSpec(units, ShardLayout.resolve(layout, preset="zero_topo"), micro_batches=3, compute_bytes=c,
                         checkpointed_units=transformer_block_units(4), eval_forward_passes=1)
         plain = phase_totals(predict_ledger(base))
         quantized = phase_totals(predict_ledger(CommSpec(
-            units, layout, preset="zero_topo", micro_batches=3, compute_bytes=c,
+            units, ShardLayout.resolve(layout, preset="zero_topo"), micro_batches=3, compute_bytes=c,
             checkpointed_units=transformer_block_units(4), eval_forward_passes=1, quant=quant)))
         int8, int4 = Fraction(8, 8) + Fraction(4, block), Fraction(4, 8) + Fraction(4, block)
         for phase in ("fwd_gather", "recompute_gather", "bwd_gather", "eval_gather"):
@@ -272,8 +279,8 @@ def test_quantized_phase_bytes_scale_by_the_message_ratio(layout):
 def test_error_feedback_changes_memory_not_traffic(preset):
     on = ALL_QUANTIZED
     off = QuantSpec(8, 4, 4, 8, block_size=4, error_feedback=False)
-    spec_on = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=2, quant=on)
-    spec_off = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=2, quant=off)
+    spec_on = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset), micro_batches=2, quant=on)
+    spec_off = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset), micro_batches=2, quant=off)
     assert predict_ledger(spec_on) == predict_ledger(spec_off)
     with_feedback = predict_model_state_bytes(spec_on)["per_rank"]
     without = predict_model_state_bytes(spec_off)["per_rank"]
@@ -287,7 +294,7 @@ def test_error_feedback_changes_memory_not_traffic(preset):
 
 @pytest.mark.parametrize("preset", ["zero_topo", "zeropp", "stage1", "hsdp"])
 def test_per_rank_sums_to_total_with_all_to_alls(preset):
-    spec = CommSpec(UNITS, LAYOUT, preset=preset, micro_batches=3, compute_bytes=2, eval_forward_passes=1,
+    spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset=preset), micro_batches=3, compute_bytes=2, eval_forward_passes=1,
                     checkpointed_units=transformer_block_units(len(UNITS)), quant=ALL_QUANTIZED)
     total: dict = {}
     for entries in predict_ledger_per_rank(spec).values():
@@ -311,8 +318,8 @@ def test_quantized_zero_topo_20b_on_48_nodes():
     params, n = sum(units), 384
     quant = QuantSpec.from_settings(quantized_weights=True, quantized_gradients=True)
     for a in (1, 8):
-        plain = CommSpec(units, (48, 4, 2), preset="zero_topo", micro_batches=a, compute_bytes=2)
-        quantized = CommSpec(units, (48, 4, 2), preset="zero_topo", micro_batches=a, compute_bytes=2, quant=quant)
+        plain = CommSpec(units, ShardLayout.resolve((48, 4, 2), preset="zero_topo"), micro_batches=a, compute_bytes=2)
+        quantized = CommSpec(units, ShardLayout.resolve((48, 4, 2), preset="zero_topo"), micro_batches=a, compute_bytes=2, quant=quant)
         ratio = bytes_by_tier(predict_ledger(quantized))["inter_node"] / n / params
         assert 0.183 < ratio < 0.186
         hw = Hardware.from_topology(Topology.simulated((48, 4, 2)), device="mi250x_gcd")

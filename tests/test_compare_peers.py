@@ -1,4 +1,4 @@
-"""bench/compare_peers.py and bench/compare_report.py (docs/benchmarks.md).
+"""bench/compare_peers.py and megatron/benchmarking/ (compare_peers, compare_report; docs/benchmarks.md).
 
 Fast: the row, ratio, table, goal and chart logic on rank files and results written here with values
 worked out by hand, and the argument errors. Slow (`-m slow`, emulated cluster: root + iproute2, and
@@ -17,12 +17,13 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import compare_peers  # noqa: E402
-import compare_report as report  # noqa: E402
-import peers  # noqa: E402
+from megatron.benchmarking import compare_peers, peers
+from megatron.benchmarking import compare_report as report
 
 SCRIPT = REPO / "bench" / "compare_peers.py"
+_spec = importlib.util.spec_from_file_location("compare_peers_cli", SCRIPT)
+cli = importlib.util.module_from_spec(_spec)  # the command line: main() and its exit codes
+_spec.loader.exec_module(cli)
 
 
 # --- rows from rank files -------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_bar_chart_is_a_png(tmp_path):
 def test_from_json_prints_the_table_and_draws(tmp_path, capsys):
     data, png = tmp_path / "r.json", tmp_path / "r.png"
     data.write_text(json.dumps(results()))
-    assert compare_peers.main(["--from-json", str(data), "--png", str(png), "--markdown"]) == 1  # a row failed
+    assert cli.main(["--from-json", str(data), "--png", str(png), "--markdown"]) == 1  # a row failed
     assert "| ours zero_topo | off | 5.000 | 0.62 |" in capsys.readouterr().out
     assert png.exists()
 
@@ -178,14 +179,14 @@ def test_shapes_share_the_global_batch():
     (["--from-json", "/nonexistent/r.json"], "cannot read results /nonexistent/r.json"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
-    assert compare_peers.main([*argv, "--png", ""]) == 2
+    assert cli.main([*argv, "--png", ""]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_without_root_one_line_and_exit_69(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert compare_peers.main(["--only", "ds_zero3", "--png", ""]) == 69
+    assert cli.main(["--only", "ds_zero3", "--png", ""]) == 69
     assert capsys.readouterr().err == ("compare_peers: cannot emulate a cluster here: needs root "
                                        "(network namespaces, veth, tc); run it as root\n")
 

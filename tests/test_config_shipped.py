@@ -52,18 +52,19 @@ def test_tiny_cpu_is_the_single_process_reference():
 
 def test_paper_zero_topo_preset_quantizes_all_but_the_cross_hop():
     """configs/zero_topo_paper.yml: INT8 gathers and refresh, INT4 in-node hops, and the cross hop an
-    unquantized all-reduce, as the engine (QuantSettings) and the models (comm_spec_from_config) see it."""
-    from megatron.analytic.comm_model import ALLREDUCE, step_collectives
+    unquantized all-reduce, as the engine (QuantSpec) and the models (comm_spec_from_config) see it."""
+    from megatron.analytic.comm_model import step_collectives
+    from megatron.topology.names import ALL_REDUCE
     from megatron.analytic.model_inputs import comm_spec_from_config
-    from megatron.engine.quantized import QuantSettings
+    from megatron.engine.quantized import QuantSpec
     cfg = load("tiny-cpu.yml", "sim-2x2x2.yml", "zero_topo_paper.yml")
     assert (cfg.zero.resolved_preset, cfg.zero.resolved_factors) == ("zero_topo", [2, 4, 8])
-    quant = QuantSettings.from_config(cfg.zero)
-    assert (quant.weight_bits, quant.grad_bits, quant.cross_bits, quant.refresh_bits) == (8, 4, 0, 8)
+    quant = QuantSpec.from_config(cfg.zero)
+    assert (quant.weight_gather_bits, quant.grad_reduce_bits, quant.cross_node_grad_bits, quant.refresh_bits) == (8, 4, 0, 8)
     spec = comm_spec_from_config(cfg, 512)
     assert spec.cross_node_reduction == "all_reduce" and spec.quant.cross_node_grad_bits == 0
     cross = [c for c in step_collectives(spec) if c.phase == "cross_grad_reduce"]
-    assert cross and all((c.op, c.bits, c.elem_bytes) == (ALLREDUCE, 0, 4) for c in cross)
+    assert cross and all((c.op, c.bits, c.elem_bytes) == (ALL_REDUCE, 0, 4) for c in cross)
     assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
 
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.engine import lm_loss
-from megatron.topology import ProcessGroups, Topology, preset_factors
+from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.analytic.comm_model import CommSpec, padded_unit_numels, predict_ledger
 from test_engine import OPT, build_model
@@ -38,14 +40,13 @@ def _worker(rank: int, world_size: int) -> dict:
     out = {}
     for name, preset, bucket in RUNS:
         for fp32 in (True, False):
-            groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+            groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
             model = build_model()
             extra = {} if bucket is None else {"reduce_bucket_elements": bucket}
-            engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, "bfloat16", groups, Communicator(groups), 1,
-                                    preset, fp32_allreduce=fp32, **extra)
+            engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="bfloat16", accumulation_steps=1, fp32_allreduce=fp32, **extra))
             unit = engine.units[1]
             unit.grad_accum.zero_()
-            engine._reduce_gradient(unit, _gradient(rank, unit.size))
+            engine.reduce_gradient(unit, _gradient(rank, unit.size))
             engine.reductions.drain()
             index, parts = 0, 1  # this rank's share after the weight then the stride hop
             for group in (groups.weight, groups.stride):
@@ -89,13 +90,13 @@ def test_the_comm_model_charges_cross_node_gradient_hops_four_bytes():
     With fp32_allreduce off the same hops move 2 bytes per element."""
     units = (1000, 3000, 2000)
     for fp32, elem in ((True, 4), (False, 2)):
-        spec = CommSpec(units, (2, 2), preset="stage3", compute_bytes=2, fp32_allreduce=fp32)
+        spec = CommSpec(units, ShardLayout.resolve((2, 2), preset="stage3"), compute_bytes=2, fp32_allreduce=fp32)
         sizes = padded_unit_numels(spec)
         ledger = predict_ledger(spec)
         for tier in ("inter_node", "intra_node"):
             assert ledger[("grad_reduce", tier)] == sum(2 * 3 * (s // 4) * elem for s in sizes), (fp32, tier)
     # zero_topo's micro-step hops stay inside a node: fp32_allreduce changes only its boundary hops
-    plain, wide = (predict_ledger(CommSpec(units, (2, 2), preset="zero_topo", compute_bytes=2, fp32_allreduce=f))
+    plain, wide = (predict_ledger(CommSpec(units, ShardLayout.resolve((2, 2), preset="zero_topo"), compute_bytes=2, fp32_allreduce=f))
                    for f in (False, True))
     assert plain[("grad_reduce", "intra_node")] == wide[("grad_reduce", "intra_node")]
     assert wide[("cross_grad_reduce", "inter_node")] == 2 * plain[("cross_grad_reduce", "inter_node")]

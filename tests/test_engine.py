@@ -11,6 +11,8 @@ import copy
 import pytest
 import torch
 
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.config.schema import ModelConfig, OptimizerConfig
 from megatron.engine import adamw_param_groups, lm_loss
 from megatron.model import GPTNeoX
@@ -76,8 +78,10 @@ def max_param_diff(params: dict, reference: dict) -> float:
 
 
 def single_rank_engine(model, precision="fp32", accum=2, preset=None) -> ZeroTopoEngine:
-    groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
-    return ZeroTopoEngine(model, model.units(), lm_loss, OPT, precision, groups, Communicator(groups), accum, preset)
+    one = Topology.single_node(1)
+    layout = ShardLayout.from_topology(one, preset=preset) if preset else ShardLayout.from_topology(one, ShardFactors(1, 1, 1))
+    groups = ProcessGroups(one, layout, 0)
+    return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=precision, accumulation_steps=accum))
 
 
 # ------------------------------------------------------------------------------------------ AdamW math
@@ -184,7 +188,7 @@ def test_model_state_bytes_one_rank():
     engine = single_rank_engine(model)
     mem = engine.model_state_bytes()
     # One rank: the whole (unpadded, N = 1) model four bytes per element in each category.
-    assert mem == {"weights": 4 * numel, "secondary": 0, "grad_accum": 4 * numel, "master": 4 * numel,
+    assert mem == {"weights": 4 * numel, "secondary": 0, "grad_accumulator": 4 * numel, "master": 4 * numel,
                    "moments": 8 * numel}
 
 
@@ -239,8 +243,8 @@ def test_refuses_tied_embeddings():
 def test_refuses_parameters_outside_units_and_bad_calls():
     model = build_model()
     with pytest.raises(EngineError, match="outside every unit"):
-        groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
-        ZeroTopoEngine(model, model.units()[:-1], lm_loss, OPT, "fp32", groups, Communicator(groups), 1)
+        groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), ShardFactors(1, 1, 1)), 0)
+        ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=1), units=model.units()[:-1])
     engine = single_rank_engine(build_model(), accum=1)
     with pytest.raises(EngineError, match="after 0 micro-batches"):
         engine.optimizer_step(LR)
@@ -252,13 +256,12 @@ def test_refuses_parameters_outside_units_and_bad_calls():
 
 
 def test_refuses_an_unknown_or_quantized_cross_node_reduction():
-    from megatron.engine.quantized import QuantSettings
-    groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
-    for how, quant in (("ring", None), ("all_reduce", QuantSettings(cross_bits=4))):
+    from megatron.engine.quantized import QuantSpec
+    groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), ShardFactors(1, 1, 1)), 0)
+    for how, quant in (("ring", None), ("all_reduce", QuantSpec(cross_node_grad_bits=4))):
         model = build_model()
         with pytest.raises(EngineError, match=r"cross_node_reduction .*all_reduce \(unquantized: cross_node_grad_bits 0"):
-            ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), 1,
-                           quant=quant, cross_node_reduction=how)
+            ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=1, quant=quant, cross_node_reduction=how))
 
 
 def test_engine_from_config_one_process():
@@ -273,4 +276,4 @@ def test_engine_from_config_one_process():
     assert engine.optimizer_step(LR)["grad_norm"] > 0
     cfg.zero.zero_quantized_weights = True
     quantized = engine_from_config(cfg, build_model(), lm_loss, world_size=1)
-    assert (quantized.quant.weight_bits, quantized.quant.refresh_bits) == (8, 8)
+    assert (quantized.quant.weight_gather_bits, quantized.quant.refresh_bits) == (8, 8)

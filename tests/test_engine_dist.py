@@ -7,15 +7,16 @@ all presets; module-scoped fixtures let several tests judge one launch's results
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from dist_harness import RankFailure, run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.checkpointing.param_slices import assemble
 from megatron.engine import lm_loss
-from megatron.topology import ProcessGroups, Topology, preset_factors, validate_factors
+from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
 
@@ -33,12 +34,11 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
         gpt_neox.checkpoint = lambda fn, *args, **kw: checkpoint(fn, *args, **dict(kw, use_reentrant=True))
     model = build_model(checkpoint_activations=run.get("checkpoint_activations", False))
     topology = Topology.simulated(layout)
-    preset = run.get("preset")
-    factors = validate_factors(topology.world_size, *run["factors"]) if "factors" in run else preset_factors(preset, topology)
-    groups = ProcessGroups(topology, factors, rank)
+    layout = (ShardLayout.from_topology(topology, validate_factors(topology.world_size, *run["factors"]))
+              if "factors" in run else ShardLayout.from_topology(topology, preset=run.get("preset")))
+    groups = ProcessGroups(topology, layout, rank)
     comm = Communicator(groups)
-    engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, run.get("precision", "fp32"), groups, comm,
-                            accum, preset=preset, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter"))
+    engine = ZeroTopoEngine(model, lm_loss, groups, comm, EngineSettings(optimizer=OPT, precision=run.get("precision", "fp32"), accumulation_steps=accum, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter")))
     if run.get("compile"):  # training.compile: after the engine, which swaps the parameters for views
         from megatron.build import compile_blocks
         compile_blocks(model)
@@ -133,9 +133,9 @@ def _mismatched_init_worker(rank: int, world_size: int) -> str:
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
     topology = Topology.simulated([world_size, 1])
-    groups = ProcessGroups(topology, preset_factors("stage3", topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset="stage3"), rank)
     try:
-        ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), 1)
+        ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=1))
     except EngineError as err:
         return str(err)
     return "no error"
@@ -273,7 +273,7 @@ def test_memory_per_rank(eight_ranks):
     total = sum(sizes)
     mem = eight_ranks[0][0]["zero_topo"]["memory"]
     # (2, 4, 8) fp32: weight chunk S/2, accumulator S/4, master S/8, moments 2 x S/8.
-    assert mem == {"weights": total * 4 // 2, "secondary": 0, "grad_accum": total * 4 // 4,
+    assert mem == {"weights": total * 4 // 2, "secondary": 0, "grad_accumulator": total * 4 // 4,
                    "master": total * 4 // 8, "moments": 2 * total * 4 // 8}
     assert eight_ranks[0][0]["stage0"]["memory"]["weights"] == total * 4
 

@@ -22,13 +22,15 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.config.schema import NeoXConfig, OptimizerConfig, ZeroConfig
 from megatron.engine import lm_loss
 from megatron.ops.quant.reference import ReferenceQuantizer
-from megatron.topology import ProcessGroups, Topology, preset_factors
-from megatron.engine import Communicator, EngineError, ZeroTopoEngine
-from megatron.engine.quantized import (QuantizedCollectives, QuantSettings, merge_messages, message_bytes,
-                                          pack_messages, qgz_swizzle, unpack_messages)
+from megatron.topology import ProcessGroups, Topology
+from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.engine.quantized import (QuantizedCollectives, merge_messages, message_bytes, pack_messages, qgz_swizzle, unpack_messages)
+from megatron.ops.quant.spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
 
 LAYOUT = [2, 2, 2]
@@ -37,10 +39,10 @@ BLOCK = 64                       # the model's chunks hold 2..25 blocks at N = 8
 MODEL = dict(hidden_size=32, num_attention_heads=4)
 STEPS, LR, POOL = 30, 3e-3, 4    # the loss falls from 3.5 to ~2.2: far from converged, clearly learning
 TRAIN_OPT = OptimizerConfig(lr=LR, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, gradient_clipping=1.0)
-FULL_QUANT = QuantSettings(weight_bits=8, grad_bits=4, cross_bits=4, refresh_bits=8, block=BLOCK, impl="reference")
-FULL_QUANT_EF = QuantSettings(**{**FULL_QUANT.__dict__, "error_feedback": True})
-ZEROPP_QUANT = QuantSettings(weight_bits=8, grad_bits=4, block=BLOCK, impl="reference")
-ZEROPP_QUANT_EF = QuantSettings(**{**ZEROPP_QUANT.__dict__, "error_feedback": True})
+FULL_QUANT = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8, block_size=BLOCK, impl="reference")
+FULL_QUANT_EF = QuantSpec(**{**FULL_QUANT.__dict__, "error_feedback": True})
+ZEROPP_QUANT = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, block_size=BLOCK, impl="reference")
+ZEROPP_QUANT_EF = QuantSpec(**{**ZEROPP_QUANT.__dict__, "error_feedback": True})
 EF_STEPS = (10, 20, 40)          # running-error checkpoints of the error-feedback experiment
 EF_NUMEL = 4 * 4 * BLOCK         # 4 ranks, 4 blocks each
 
@@ -48,34 +50,34 @@ EF_NUMEL = 4 * 4 * BLOCK         # 4 ranks, 4 blocks each
 # ------------------------------------------------------------------------------------- single process
 
 def test_settings_derive_from_deepspeed_booleans_and_overrides():
-    derive = QuantSettings.from_config
+    derive = QuantSpec.from_config
     assert not derive(ZeroConfig()).enabled
     both = derive(ZeroConfig(zero_quantized_weights=True, zero_quantized_gradients=True))
-    assert (both.weight_bits, both.grad_bits, both.cross_bits, both.refresh_bits) == (8, 4, 4, 8)
-    assert both.block == 256 and both.impl == "auto" and not both.error_feedback
+    assert (both.weight_gather_bits, both.grad_reduce_bits, both.cross_node_grad_bits, both.refresh_bits) == (8, 4, 4, 8)
+    assert both.block_size == 256 and both.impl == "auto" and not both.error_feedback
     grads_only = derive(ZeroConfig(zero_quantized_gradients=True))
-    bits = (grads_only.weight_bits, grads_only.grad_bits, grads_only.cross_bits, grads_only.refresh_bits)
+    bits = (grads_only.weight_gather_bits, grads_only.grad_reduce_bits, grads_only.cross_node_grad_bits, grads_only.refresh_bits)
     assert bits == (0, 4, 4, 0)
     refresh = derive(ZeroConfig(zero_quantized_refresh=True))
-    assert (refresh.weight_bits, refresh.refresh_bits) == (0, 8)
+    assert (refresh.weight_gather_bits, refresh.refresh_bits) == (0, 8)
     mixed = derive(ZeroConfig(zero_quantized_gradients=True, grad_reduce_bits=8, cross_node_grad_bits=0,
                               weight_gather_bits=8, quantization_block_size=256, quantization_error_feedback=True,
                               quantization_impl="reference"))
-    assert (mixed.weight_bits, mixed.grad_bits, mixed.cross_bits, mixed.refresh_bits) == (8, 8, 0, 0)
-    assert (mixed.block, mixed.error_feedback, mixed.impl) == (256, True, "reference")
-    assert derive(ZeroConfig(grad_reduce_bits=8)).cross_bits == 8  # cross follows grad_reduce_bits
+    assert (mixed.weight_gather_bits, mixed.grad_reduce_bits, mixed.cross_node_grad_bits, mixed.refresh_bits) == (8, 8, 0, 0)
+    assert (mixed.block_size, mixed.error_feedback, mixed.impl) == (256, True, "reference")
+    assert derive(ZeroConfig(grad_reduce_bits=8)).cross_node_grad_bits == 8  # cross follows grad_reduce_bits
 
 
 def test_settings_refusals():
-    with pytest.raises(EngineError, match="weight_gather_bits = 4"):
-        QuantSettings(weight_bits=4)
-    with pytest.raises(EngineError, match="refresh_bits = 4"):
-        QuantSettings(refresh_bits=4)
-    with pytest.raises(EngineError, match="must be even"):
-        QuantSettings(grad_bits=4, block=63)
-    with pytest.raises(EngineError, match="quantization_impl"):
-        QuantSettings(impl="cuda")
-    QuantSettings(weight_bits=8, block=63)  # INT8 does not need an even block
+    with pytest.raises(QuantSpecError, match="weight_gather_bits = 4"):
+        QuantSpec(weight_gather_bits=4)
+    with pytest.raises(QuantSpecError, match="refresh_bits = 4"):
+        QuantSpec(refresh_bits=4)
+    with pytest.raises(QuantSpecError, match="must be even"):
+        QuantSpec(grad_reduce_bits=4, block_size=63)
+    with pytest.raises(QuantSpecError, match="quantization_impl"):
+        QuantSpec(impl="cuda")
+    QuantSpec(weight_gather_bits=8, block_size=63)  # INT8 does not need an even block
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -104,8 +106,8 @@ def test_messages_are_codes_then_scales(bits):
 def test_non_finite_gradient_is_sent_as_zeros_and_flagged():
     """fp16 overflow must not stop one rank inside a collective: the hop sends zeros for the bad
     values and flags the step, which the engine then skips (infinite norm on every rank)."""
-    groups = ProcessGroups(Topology.single_node(1), preset_factors("stage0", Topology.single_node(1)), 0)
-    qc = QuantizedCollectives(Communicator(groups), QuantSettings(grad_bits=4, block=4, impl="reference"),
+    groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), preset="stage0"), 0)
+    qc = QuantizedCollectives(Communicator(groups), QuantSpec(grad_reduce_bits=4, block_size=4, impl="reference"),
                               torch.device("cpu"))
     x = torch.tensor([7.0, -7.0, float("inf"), 1.0, 7.0, 0.0, 0.0, -7.0])  # scale 1: exact codes
     residual = torch.zeros(8)
@@ -134,7 +136,7 @@ def test_engine_from_config_quantized_one_process():
     cfg.zero.zero_quantized_weights = cfg.zero.zero_quantized_gradients = True
     cfg.zero.quantization_block_size, cfg.zero.quantization_impl = BLOCK, "reference"
     engine = engine_from_config(cfg, build_model(), lm_loss, world_size=1)
-    assert (engine.quant.weight_bits, engine.quant.grad_bits, engine.quant.refresh_bits) == (8, 4, 8)
+    assert (engine.quant.weight_gather_bits, engine.quant.grad_reduce_bits, engine.quant.refresh_bits) == (8, 4, 8)
     assert all(u.size % BLOCK == 0 for u in engine.units)  # q = N x block
     engine.forward_backward(make_batch(0, 0, 0))
     assert engine.optimizer_step(LR)["grad_norm"] > 0
@@ -144,12 +146,11 @@ def test_engine_from_config_quantized_one_process():
 
 # ------------------------------------------------------------------------------------ the 8-rank worker
 
-def _engine(rank: int, preset: str, quant: QuantSettings | None, precision: str = "fp32") -> ZeroTopoEngine:
+def _engine(rank: int, preset: str, quant: QuantSpec | None, precision: str = "fp32") -> ZeroTopoEngine:
     topology = Topology.simulated(LAYOUT)
-    groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
     model = build_model(**MODEL)
-    return ZeroTopoEngine(model, model.units(), lm_loss, TRAIN_OPT, precision, groups, Communicator(groups), 1,
-                          preset=preset, quant=quant)
+    return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=TRAIN_OPT, precision=precision, accumulation_steps=1, quant=quant))
 
 
 def _train(engine: ZeroTopoEngine, rank: int, steps: int) -> dict:
@@ -170,7 +171,7 @@ def _error_feedback_experiment(rank: int, engine: ZeroTopoEngine) -> dict:
     ranks), and by the 2-hop chain weight -> stride, with and without error feedback; the running
     error against T x the exact sum at the steps in EF_STEPS (max |.| over this rank's chunk)."""
     groups = engine.groups
-    qc = QuantizedCollectives(engine.comm, QuantSettings(grad_bits=4, block=BLOCK, impl="reference"), engine.device)
+    qc = QuantizedCollectives(engine.comm, QuantSpec(grad_reduce_bits=4, block_size=BLOCK, impl="reference"), engine.device)
     grads = [_fixed_gradient(r) for r in range(WORLD)]
     node = groups.node.ranks  # both chains sum over the node: the weight groups, then across them
     total = sum(grads[r] for r in node)
@@ -207,7 +208,7 @@ def _qgz_probe(rank: int, engine: ZeroTopoEngine) -> dict:
     """The zeropp engine's own gradient path (_reduce_gradient, no error feedback) on known gradients."""
     unit = engine.units[1]
     unit.grad_accum.zero_()
-    engine._reduce_gradient(unit, _probe_gradient(rank, unit.size))
+    engine.reduce_gradient(unit, _probe_gradient(rank, unit.size))
     engine.reductions.drain()  # overlap_comm: the sum lands when the reduction is finished
     return {"chunk": unit.grad_accum.clone(), "size": unit.size}
 
@@ -333,7 +334,7 @@ def test_error_feedback_residuals_are_memory(eight):
     mem = eight[0]["ef_memory"]
     # Only the cross-node hop keeps a residual, sized as its input, the rank's S/g = S/4 accumulator
     # (the weight hop's would be S: a full fp32 model copy per rank), four bytes each.
-    assert mem["error_feedback"] == sum(4 * (s // 4) for s in sizes) == mem["grad_accum"]
+    assert mem["error_feedback"] == sum(4 * (s // 4) for s in sizes) == mem["grad_accumulator"]
     assert eight[0]["ef_residual_sizes"] == {"cross": sizes[0] // 4}
     assert mem["weights"] == sum(s // 2 * 4 for s in sizes)  # the other categories are unchanged
     zpp = eight[0]["zeropp_memory"]

@@ -16,21 +16,24 @@ import math
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.config.schema import OptimizerConfig
 from megatron.engine import lm_loss
-from megatron.topology import ProcessGroups, RankGroup, Topology, preset_factors
+from megatron.topology import ProcessGroups, RankGroup, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
-from megatron.analytic.comm_model import CommSpec, QuantSpec
+from megatron.analytic.comm_model import CommSpec
+from megatron.ops.quant.spec import QuantSpec
 from megatron.analytic.memory_model import predict_model_state_bytes
 from megatron.engine.comm import Pending
-from megatron.engine.quantized import QuantizedCollectives, QuantSettings
+from megatron.engine.quantized import QuantizedCollectives
 from test_engine import build_model, make_batch
 
 BLOCK = 64
 LAYOUT = [2, 2]
 OPT = OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, gradient_clipping=1.0)
-LADDER_EF = QuantSettings(grad_bits=4, cross_bits=4, block=BLOCK, impl="reference", error_feedback=True)
-QGZ_EF = QuantSettings(grad_bits=4, block=BLOCK, impl="reference", error_feedback=True)
+LADDER_EF = QuantSpec(grad_reduce_bits=4, cross_node_grad_bits=4, block_size=BLOCK, impl="reference", error_feedback=True)
+QGZ_EF = QuantSpec(grad_reduce_bits=4, block_size=BLOCK, impl="reference", error_feedback=True)
 
 
 # ------------------------------------------------------------------ unscaled units (one process)
@@ -46,7 +49,7 @@ class _LoopbackComm:
 
 
 def _collectives() -> QuantizedCollectives:
-    return QuantizedCollectives(_LoopbackComm(), QuantSettings(grad_bits=4, block=BLOCK, impl="reference"),
+    return QuantizedCollectives(_LoopbackComm(), QuantSpec(grad_reduce_bits=4, block_size=BLOCK, impl="reference"),
                                 torch.device("cpu"))
 
 
@@ -91,12 +94,11 @@ def test_error_feedback_pays_back_within_half_a_step_across_scale_changes():
 
 # --------------------------------------------------------------- the engines (4 simulated ranks)
 
-def _engine(rank: int, preset: str, quant: QuantSettings, precision: str) -> ZeroTopoEngine:
+def _engine(rank: int, preset: str, quant: QuantSpec, precision: str) -> ZeroTopoEngine:
     topology = Topology.simulated(LAYOUT)
-    groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
     model = build_model(hidden_size=32, num_attention_heads=4)
-    return ZeroTopoEngine(model, model.units(), lm_loss, OPT, precision, groups, Communicator(groups), 1,
-                          preset=preset, quant=quant)
+    return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=precision, accumulation_steps=1, quant=quant))
 
 
 def _step(engine: ZeroTopoEngine, rank: int, step: int) -> dict:
@@ -142,7 +144,7 @@ def test_engines_hold_one_residual_per_unit_on_the_cross_node_hop(tmp_path):
         assert r0["after_step"]["max"] > 0 and r0["after_step"]["finite"], preset
         quant = QuantSpec(grad_reduce_bits=4, cross_node_grad_bits=4 if preset == "zero_topo" else 0,
                           block_size=BLOCK, error_feedback=True)
-        spec = CommSpec([s for s in sizes], tuple(LAYOUT), preset=preset, quant=quant)
+        spec = CommSpec([s for s in sizes], ShardLayout.resolve(tuple(LAYOUT), preset=preset), quant=quant)
         predicted = predict_model_state_bytes(spec)["per_rank"]
         for rank, res in enumerate(results):
             assert res[preset]["memory"]["error_feedback"] == predicted["error_feedback"] \

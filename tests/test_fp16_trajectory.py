@@ -31,9 +31,11 @@ import pytest
 import torch
 
 from dist_harness import REPO_ROOT, TESTS_DIR, run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.engine import SingleProcessEngine, adamw_param_groups, lm_loss
 from megatron.loss_scale import LossScaleSettings
-from megatron.topology import ProcessGroups, ShardFactors, Topology, preset_factors
+from megatron.topology import ProcessGroups, ShardFactors, Topology
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from test_engine import LR, MICRO_BSZ, OPT, build_model, global_batch, make_batch
 
@@ -59,11 +61,9 @@ def _worker(rank: int, world_size: int) -> dict:
     out = {}
     for name, preset, predivide in (("zero_topo", "zero_topo", None), ("stage3", "stage3", None),
                                     ("zero_topo-predivide1", "zero_topo", 1.0)):
-        groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+        groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
         model = build_model()
-        engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp16", groups, Communicator(groups), ACCUM,
-                                preset, fp32_allreduce=True, loss_scaling=SCALING,
-                                gradient_predivide_factor=predivide)
+        engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp16", accumulation_steps=ACCUM, fp32_allreduce=True, loss_scaling=SCALING, gradient_predivide_factor=predivide))
         out[name] = _trajectory(engine, lambda step, micro: make_batch(step, micro, rank))
     return out
 
@@ -101,12 +101,11 @@ def test_deepspeeds_default_predivide_overflows_at_lower_scales(four, single):
 
 
 def test_a_bad_predivide_factor_is_refused():
-    groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
+    groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), ShardFactors(1, 1, 1)), 0)
     model = build_model()
     for bad in (0.0, -2.0, float("inf")):
         with pytest.raises(EngineError, match="gradient_predivide_factor must be a finite number > 0"):
-            ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp16", groups, Communicator(groups), 1,
-                           gradient_predivide_factor=bad)
+            ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp16", accumulation_steps=1, gradient_predivide_factor=bad))
 
 
 # ------------------------------------------------------------------------------ DeepSpeed ZeRO-3 fp16

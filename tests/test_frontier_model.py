@@ -4,13 +4,14 @@ prints must stand on the page as printed. A change to the model, the figures or 
 moves a number fails here until the page is regenerated (the command is at the top of the page)."""
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import frontier_model  # noqa: E402
+_spec = importlib.util.spec_from_file_location("frontier_model", REPO / "bench" / "frontier_model.py")
+frontier_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(frontier_model)
 
 DOC = REPO / "docs" / "frontier-model.md"
 

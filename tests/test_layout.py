@@ -18,7 +18,6 @@ from megatron.topology import ProcessGroups, ShardChunks, ShardFactors, ShardLay
 from megatron.topology.layout import NAMED_PRESETS, STAGE_PRESETS, display_name, preset_of_display_name
 from megatron.analytic.comm_model import CommModelError, CommSpec, groups_of_kind
 from megatron.analytic.model_inputs import comm_spec_from_config
-from megatron.engine.setup import layout_and_topology
 
 # (w, g, os) of every preset, by hand from docs/engine.md "Presets": N ranks, R per node, f the
 # fastest tier's size; stage k, hsdp = (R, R, R), zero_topo = (f, R, N), zeropp = (N, N, N).
@@ -118,8 +117,8 @@ def test_refusals():
         ShardLayout.resolve((2, 2, 2), shard_factors=[2, 4])
     with pytest.raises(TopologyError, match="outside a layout of 8"):
         ShardLayout.resolve((2, 2, 2), stage=0).chunks(8)
-    with pytest.raises(CommModelError, match="unknown ZeRO preset"):  # the comm model's refusal is the layout's
-        CommSpec((100,), (2, 2, 2), preset="zero4")
+    with pytest.raises(CommModelError, match="must be a ShardLayout"):  # the comm model takes the one layout
+        CommSpec((100,), (2, 2, 2))
 
 
 def test_the_config_preset_key_accepts_the_layouts_named_presets():
@@ -146,7 +145,8 @@ def test_no_analytic_model_imports_the_engine():
         tree = ast.parse(path.read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        bad = {m for m in imported if m == "megatron.engine" or m.startswith(("megatron.engine.", "megatron.ops"))}
+        bad = {m for m in imported if m == "megatron.engine" or m.startswith(("megatron.engine.", "megatron.ops"))
+               and m != "megatron.ops.quant.spec"}  # the quantization spec is shared, the kernels are not
         assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
@@ -181,17 +181,16 @@ def test_validation_groups_comm_model_and_dry_run_agree(files, overrides, env, e
     assert (layout.preset, layout.factors.as_tuple()) == expected
     assert (cfg.zero.resolved_preset, cfg.zero.resolved_factors) == (preset, list(factors))
 
-    _, topology = layout_and_topology(cfg, layout.world_size)
+    topology = Topology.from_config(cfg, layout.world_size)
     spec = comm_spec_from_config(cfg, 512)
-    assert spec.resolved_factors() == factors and spec.is_zeropp == (preset == "zeropp")
-    model_kind = {"rail": "same_local"}
+    assert spec.layout == layout and spec.factors == factors and spec.layout.hpz == (preset == "zeropp")
     for rank in sorted({0, 1, layout.world_size // 2 + 1, layout.world_size - 1}):
-        groups = ProcessGroups(topology, layout.factors, rank, create=False)
-        assert groups.factors == layout.factors
+        groups = ProcessGroups(topology, layout, rank, create=False)  # the same layout object, passed on
+        assert groups.layout is layout
         for kind in ("weight", "stride", "cross", "replica", "node", "rail", "world"):
             assert getattr(groups, kind).ranks == layout.group(kind, rank), (kind, rank)
             if layout.world_size <= 8:  # the comm model's own statement of the groups
-                assert list(layout.group(kind, rank)) in groups_of_kind(model_kind.get(kind, kind), spec), (kind, rank)
+                assert list(layout.group(kind, rank)) in groups_of_kind(kind, spec), (kind, rank)
 
     plan = plan_launch(cfg, "train.py", "neox_config.json", env=env)
     text = render_dry_run(cfg, plan, env, None)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.topology.layout import ShardLayout
 from megatron.topology import ProcessGroups, RankGroup, ShardFactors, Topology
 from megatron.engine import PHASES, TIERS, ByteLedger, CommError, Communicator, LedgerError
 
 
 def comm_for(rank: int, layout=(2, 2, 2), factors=(2, 4, 8)) -> Communicator:
-    groups = ProcessGroups(Topology.simulated(list(layout)), ShardFactors(*factors), rank, create=False)
+    groups = ProcessGroups(Topology.simulated(list(layout)), ShardLayout.from_topology(Topology.simulated(list(layout)), ShardFactors(*factors)), rank, create=False)
     return Communicator(groups)
 
 

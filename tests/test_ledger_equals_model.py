@@ -28,15 +28,17 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
+from megatron.topology.names import MEMORY_CATEGORIES
 from megatron.config.schema import ModelConfig
 from megatron.engine import lm_loss
 from megatron.model import GPTNeoX, unit_parameter_counts
-from megatron.topology import ProcessGroups, Topology, preset_factors, validate_factors
+from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, ZeroTopoEngine
-from megatron.analytic.comm_model import (CommSpec, QuantSpec, padded_unit_numels, predict_ledger,
-                                           predict_ledger_per_rank, transformer_block_units)
+from megatron.analytic.comm_model import (CommSpec, padded_unit_numels, predict_ledger, predict_ledger_per_rank, transformer_block_units)
+from megatron.ops.quant.spec import QuantSpec
 from megatron.analytic.memory_model import predict_model_state_bytes
-from megatron.engine.quantized import QuantSettings
 from test_engine import LR, OPT
 
 # A model whose units are 420, 1509 and 444 elements: none a multiple of 8, the block none of 4.
@@ -44,9 +46,6 @@ VOCAB, SEQ, MICRO_BSZ, SEED = 35, 8, 2, 4321
 MODEL_FIELDS = dict(num_layers=2, hidden_size=12, num_attention_heads=2, seq_length=SEQ, intermediate_size=33,
                     no_weight_tying=True)
 LAYOUTS = {"eight": (2, 2, 2), "four": (2, 2)}
-# Engine category (megatron/engine/state_io.py) -> memory-model category (memory_model.py).
-MEMORY_CATEGORIES = {"weights": "weights", "secondary": "zeropp_secondary", "grad_accum": "grad_accumulator",
-                     "master": "master", "moments": "moments", "error_feedback": "error_feedback"}
 
 
 def model_config(checkpoint_activations: bool = False) -> ModelConfig:
@@ -169,22 +168,19 @@ def _close_window(engine: ZeroTopoEngine) -> dict:
 
 def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict) -> dict:
     topology = Topology.simulated(layout)
-    factors = (validate_factors(topology.world_size, *case["factors"]) if case["factors"]
-               else preset_factors(case["preset"], topology))
-    key = factors.as_tuple()
-    if key not in groups_by_factors:
-        groups_by_factors[key] = ProcessGroups(topology, factors, rank)
-    groups = groups_by_factors[key]
+    layout = (ShardLayout.from_topology(topology, validate_factors(topology.world_size, *case["factors"]))
+              if case["factors"] else ShardLayout.from_topology(topology, preset=case["preset"]))
+    if layout not in groups_by_factors:  # one set of torch groups per layout, made once per launch
+        groups_by_factors[layout] = ProcessGroups(topology, layout, rank)
+    groups = groups_by_factors[layout]
     torch.manual_seed(SEED)
     model = GPTNeoX(model_config(case["checkpoint"]), VOCAB)
     quant = None
     if case["quant"]:
         weight, grad, cross, refresh, block, feedback = case["quant"]
-        quant = QuantSettings(weight_bits=weight, grad_bits=grad, cross_bits=cross, refresh_bits=refresh, block=block,
+        quant = QuantSpec(weight_gather_bits=weight, grad_reduce_bits=grad, cross_node_grad_bits=cross, refresh_bits=refresh, block_size=block,
                               error_feedback=feedback, impl="reference")
-    engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, case["precision"], groups, Communicator(groups),
-                            case["accum"], preset=case["preset"], fp32_allreduce=case["fp32_allreduce"], quant=quant,
-                            cross_node_reduction=case["cross_node_reduction"])
+    engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=case["precision"], accumulation_steps=case["accum"], fp32_allreduce=case["fp32_allreduce"], quant=quant, cross_node_reduction=case["cross_node_reduction"]))
     engine.ledger.reset()
     first = _train_step(engine, rank, 0, case["accum"])
     windows = [_close_window(engine)]
@@ -226,7 +222,7 @@ def spec_for(layout_key: str, case: dict, window: int) -> CommSpec:
     """The model's description of window ``window`` (0: first step; 1: eval + second step)."""
     units = unit_parameter_counts(model_config(), VOCAB)
     quant = QuantSpec(*case["quant"]) if case["quant"] else QuantSpec()
-    return CommSpec(units, LAYOUTS[layout_key], preset=case["preset"], factors=case["factors"], quant=quant,
+    return CommSpec(units, ShardLayout.resolve(LAYOUTS[layout_key], preset=case["preset"], shard_factors=case["factors"]), quant=quant,
                     micro_batches=case["accum"], compute_bytes=2 if case["precision"] == "bfloat16" else 4,
                     fp32_allreduce=case["fp32_allreduce"], cross_node_reduction=case["cross_node_reduction"],
                     checkpointed_units=transformer_block_units(len(units)) if case["checkpoint"] else frozenset(),
@@ -274,10 +270,11 @@ def test_ledger_equals_model(launches, layout_key, case):
 
 
 def _as_model_categories(measured: dict) -> dict:
-    # error_feedback is reported (by both sides) only when residuals are kept
+    # the same names on both sides (megatron.topology.names); error_feedback is reported (by both
+    # sides) only when residuals are kept
     assert set(MEMORY_CATEGORIES) - {"error_feedback"} <= set(measured) <= set(MEMORY_CATEGORIES), \
         f"unexpected engine state categories {sorted(measured)}"
-    out = {MEMORY_CATEGORIES[cat]: nbytes for cat, nbytes in measured.items()}
+    out = dict(measured)
     out["total"] = sum(measured.values())
     return out
 
@@ -295,9 +292,9 @@ def test_memory_equals_model(launches, layout_key, case):
         run = rank_result[case["name"]]
         expected = predicted[rank]
         assert _as_model_categories(run["memory"]["before_step"]) == expected, f"rank {rank}"
-        after = dict(expected, zeropp_secondary=0, total=expected["total"] - expected["zeropp_secondary"])
+        after = dict(expected, secondary=0, total=expected["total"] - expected["secondary"])
         assert _as_model_categories(run["memory"]["after_step"]) == after, f"rank {rank}"
         if case["eval_iters"]:  # an eval forward since the step re-creates the secondary copy
             assert _as_model_categories(run["memory_after_eval"]) == expected, f"rank {rank}"
     if case["preset"] == "zeropp":
-        assert predicted[0]["zeropp_secondary"] > 0
+        assert predicted[0]["secondary"] > 0

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.topology.layout import ShardLayout
 from megatron.topology import Topology
-from megatron.analytic.comm_model import ALL_TO_ALL, ALLGATHER, REDUCE_SCATTER, CommModelError, CommSpec, QuantSpec
+from megatron.analytic.comm_model import CommModelError, CommSpec
+from megatron.ops.quant.spec import QuantSpec
+from megatron.topology.names import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
 from megatron.analytic.deepspeed_model import DeepSpeedSettings, deepspeed_collectives
 from megatron.analytic.figure_sets import FIGURE_SETS, SOURCES, Assumptions, frontier_curves
 from megatron.topology.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
-from megatron.analytic.hardware import Device, Hardware, LinkCurve, TierLink, group_shape
+from megatron.analytic.hardware import Device, Hardware, TierLink, group_shape
+from megatron.analytic.link_curve import LinkCurve
 from megatron.analytic.time_model import StepWork, footprint, footprint_time_s, step_time
 
 SLOW = {"inter_node": TierLink(1.0, 100.0), "intra_node": TierLink(1.0, 100.0), "intra_gpu": TierLink(1.0, 100.0)}
@@ -138,13 +142,13 @@ SETTINGS = DeepSpeedSettings(reduce_bucket_size=650, prefetch_bucket_size=350, p
 
 
 def ds_spec(preset: str, **kw) -> CommSpec:
-    return CommSpec(NUMELS, (2, 2), preset=preset, compute_bytes=2, **kw)
+    return CommSpec(NUMELS, ShardLayout.resolve((2, 2), preset=preset), compute_bytes=2, **kw)
 
 
 def test_zero3_gathers_per_fetch_and_reduces_per_bucket():
     cols = [c for c in deepspeed_collectives(ds_spec("stage3", micro_batches=2), SHAPES, SETTINGS)
             if c.phase != "control"]
-    gathers = [(c.phase, c.unit, c.numel, c.count) for c in cols if c.op == ALLGATHER]
+    gathers = [(c.phase, c.unit, c.numel, c.count) for c in cols if c.op == ALL_GATHER]
     # The bias (30 <= 50) persists: unit 1 fetches only w (300); each unit one call. The head is used
     # again at once (0 elements after it < 100): no backward gather; the others are re-gathered.
     assert gathers == [("fwd_gather", 0, 400, 2), ("bwd_gather", 0, 400, 2), ("fwd_gather", 1, 300, 2),
@@ -166,8 +170,8 @@ def test_zeropp_quantized_as_deepspeed_runs_it():
     # forward: the world gather (the step's first) of w's 300 int8 codes, then its 300/4 / 25 = 3
     # scales per rank x 4 ranks in fp32; the backward's from the node secondary (k = 2): 300 codes,
     # 150 / 25 = 6 scales per rank x 2.
-    assert unit1[:4] == [("fwd_gather", ALLGATHER, "world", 300, 1, 1), ("fwd_gather", ALLGATHER, "world", 12, 4, 1),
-                         ("bwd_gather", ALLGATHER, "node", 300, 1, 1), ("bwd_gather", ALLGATHER, "node", 12, 4, 1)]
+    assert unit1[:4] == [("fwd_gather", ALL_GATHER, "world", 300, 1, 1), ("fwd_gather", ALL_GATHER, "world", 12, 4, 1),
+                         ("bwd_gather", ALL_GATHER, "node", 300, 1, 1), ("bwd_gather", ALL_GATHER, "node", 12, 4, 1)]
     first = [c for c in cols if c.unit == 1 and c.phase == "fwd_gather"][0]
     assert first.copy_bytes == 300 // 2 * 2   # the node secondary: 150 elements of 2 bytes kept
     # qgZ, per tensor: w (30 x 10) is four all-to-alls: 150 bytes of INT4 codes and max(30, 10, 4) = 30
@@ -175,7 +179,7 @@ def test_zeropp_quantized_as_deepspeed_runs_it():
     # rail; the 1-D bias is its own world reduce-scatter (ceil(30 / 4) x 4 = 32 elements).
     grads = [(c.op, c.group, c.numel, c.elem_bytes) for c in cols if c.phase == "grad_reduce"]
     assert (ALL_TO_ALL, "node", 150, 1) in grads and (ALL_TO_ALL, "node", 120, 1) in grads
-    assert (ALL_TO_ALL, "same_local", 75, 1) in grads and (ALL_TO_ALL, "same_local", 60, 1) in grads
+    assert (ALL_TO_ALL, "rail", 75, 1) in grads and (ALL_TO_ALL, "rail", 60, 1) in grads
     assert (REDUCE_SCATTER, "world", 32, 2) in grads
 
 
@@ -211,8 +215,8 @@ def test_zeropp_pays_its_secondary_copy_and_its_swizzle():
     hw = Hardware(hw.links, Device("toy", 1000.0, 100.0, 1e12, 0.0, 1e12, copy_bytes_per_s=100.0), "nccl",
                   curves=hw.curves)
     work = StepWork(10, (0.0, 0.0, 0.0), prefetch_gathers=False, overlap_comm=False)
-    plain = step_time(CommSpec((400, 400, 400), (2, 2), preset="zeropp"), hw, work)
+    plain = step_time(CommSpec((400, 400, 400), ShardLayout.resolve((2, 2), preset="zeropp")), hw, work)
     assert plain.exposed_s["fwd_gather"] == pytest.approx(3 * 8.0, rel=1e-6)
     quant = QuantSpec.from_settings(quantized_gradients=True, block_size=50)
-    qgz = step_time(CommSpec((400, 400, 400), (2, 2), preset="zeropp", quant=quant), hw, work)
+    qgz = step_time(CommSpec((400, 400, 400), ShardLayout.resolve((2, 2), preset="zeropp"), quant=quant), hw, work)
     assert qgz.exposed_s["grad_reduce"] == pytest.approx(3 * 16.0, rel=1e-3)

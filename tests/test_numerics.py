@@ -24,12 +24,14 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.config.schema import NeoXConfig
 from megatron.engine import SingleProcessEngine, lm_loss
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.numerics import SPIKE_WARMUP_STEPS, NumericsWatch
 from megatron.runtime import Runtime
-from megatron.topology import ProcessGroups, Topology, preset_factors
+from megatron.topology import ProcessGroups, Topology
 from megatron.training import Trainer
 from megatron.engine import Communicator, ZeroTopoEngine
 from test_engine import MICRO_BSZ, OPT, SEQ, VOCAB, build_model, tiny_cfg
@@ -162,10 +164,9 @@ def _worker(rank: int, world_size: int) -> dict:
     out = {}
     topology = Topology.simulated([2, 2])
     for precision in ("fp16", "bfloat16"):
-        groups = ProcessGroups(topology, preset_factors("zero_topo", topology), rank)
+        groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset="zero_topo"), rank)
         model = build_model()
-        engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, precision, groups, Communicator(groups), 1,
-                                "zero_topo", loss_scaling=SCALING if precision == "fp16" else None)
+        engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=precision, accumulation_steps=1, loss_scaling=SCALING if precision == "fp16" else None))
 
         def poison(engine=engine):
             if rank == 1:  # one rank only: the others must learn of it through the norm
@@ -255,9 +256,9 @@ def test_a_gradient_norm_beyond_fp32_skips_the_step_in_both_engines():
     to crash putting that sum into its fp32 norm vector (exit 1 mid-run) and now skips it too."""
     from megatron.topology import ShardFactors
     local = SingleProcessEngine(build_model(), lm_loss, OPT, "fp32", 1, torch.device("cpu"))
-    groups = ProcessGroups(Topology.single_node(1), ShardFactors(1, 1, 1), 0)
+    groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), ShardFactors(1, 1, 1)), 0)
     model = build_model()
-    sharded = ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), 1)
+    sharded = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=1))
     batch = _Samples()[0]
     batch = {k: v.unsqueeze(0) for k, v in batch.items()}
     for engine in (local, sharded):

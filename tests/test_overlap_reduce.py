@@ -14,24 +14,26 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.engine import lm_loss
-from megatron.topology import ProcessGroups, Topology, preset_factors
+from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.engine.grad_reduce import ReductionWindow, column_ranges, piece_of
-from megatron.engine.quantized import QuantSettings
+from megatron.engine.quantized import QuantSpec
 from test_engine import LR, OPT, build_model, make_batch
 
 LAYOUT, STEPS, ACCUM = [2, 2], 2, 2
 SMALL_BUCKET = 96  # elements: every unit is cut into several pieces (a multiple of the block, 8)
-QUANT = QuantSettings(weight_bits=8, grad_bits=4, cross_bits=4, refresh_bits=8, block=8, impl="reference")
+QUANT = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8, block_size=8, impl="reference")
 CASES = [  # (name, preset, quantization)
     ("zero3", "stage3", None),
     ("hsdp", "hsdp", None),
     ("zero_topo", "zero_topo", None),
-    ("zeropp_qgz", "zeropp", QuantSettings(weight_bits=8, grad_bits=4, block=8, impl="reference")),
-    ("zero_topo_int4_ef", "zero_topo", QuantSettings(weight_bits=8, grad_bits=4, cross_bits=4, refresh_bits=8,
-                                                     block=8, error_feedback=True, impl="reference")),
-    ("zeropp_qgz_ef", "zeropp", QuantSettings(weight_bits=8, grad_bits=4, block=8, error_feedback=True,
+    ("zeropp_qgz", "zeropp", QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, block_size=8, impl="reference")),
+    ("zero_topo_int4_ef", "zero_topo", QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8,
+                                                     block_size=8, error_feedback=True, impl="reference")),
+    ("zeropp_qgz_ef", "zeropp", QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, block_size=8, error_feedback=True,
                                               impl="reference")),
 ]
 SETTINGS = [(False, None), (True, None), (False, SMALL_BUCKET), (True, SMALL_BUCKET)]  # (overlap, bucket)
@@ -101,12 +103,11 @@ def test_column_ranges_and_pieces_by_hand():
 
 def _engine(rank: int, preset: str, quant, overlap: bool, bucket) -> ZeroTopoEngine:
     topology = Topology.simulated(LAYOUT)
-    groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
     torch.manual_seed(0)
     model = build_model()
     extra = {"reduce_bucket_elements": bucket} if bucket else {}
-    return ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), ACCUM,
-                          preset=preset, quant=quant, overlap_reduce=overlap, **extra)
+    return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=ACCUM, quant=quant, overlap_reduce=overlap, **extra))
 
 
 def _worker(rank: int, world_size: int) -> dict:

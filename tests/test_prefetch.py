@@ -14,20 +14,23 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from megatron.engine.flat_unit import UnitState
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.engine import lm_loss
-from megatron.topology import ProcessGroups, Topology, preset_factors
+from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.engine.prefetch import PassOrder
-from megatron.engine.quantized import QuantSettings
+from megatron.engine.quantized import QuantSpec
 from test_engine import LR, OPT, build_model, make_batch
 
 LAYOUT, STEPS, ACCUM = [2, 2], 2, 2
-QUANT = QuantSettings(weight_bits=8, grad_bits=4, cross_bits=4, refresh_bits=8, block=8, impl="reference")
+QUANT = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8, block_size=8, impl="reference")
 CASES = [  # (name, preset, checkpoint_activations, quantization); re-entrant last: it patches the model
     ("zero3", "stage3", False, None),
     ("zero_topo_recompute", "zero_topo", True, None),
     ("zeropp", "zeropp", False, None),
-    ("zeropp_int8", "zeropp", False, QuantSettings(weight_bits=8, grad_bits=4, block=8, impl="reference")),
+    ("zeropp_int8", "zeropp", False, QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, block_size=8, impl="reference")),
     ("zero_topo_quant_recompute", "zero_topo", True, QUANT),
     ("zero3_reentrant", "stage3", True, None),
 ]
@@ -56,16 +59,15 @@ def test_pass_order_guesses_list_order_then_follows_the_last_forward():
 
 def _engine(rank: int, preset: str, recompute: bool, quant, prefetch: bool) -> ZeroTopoEngine:
     topology = Topology.simulated(LAYOUT)
-    groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
     model = build_model(checkpoint_activations=recompute)
-    return ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, Communicator(groups), ACCUM,
-                          preset=preset, quant=quant, prefetch=prefetch)
+    return ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=ACCUM, quant=quant, prefetch=prefetch))
 
 
 def _trace(engine: ZeroTopoEngine, events: list) -> None:
     """Record (event, unit index, sharded units gathered or in flight just before it)."""
     def live() -> int:
-        return sum(1 for u in engine.units if u.shardable and (u.gathered or u.inflight is not None))
+        return sum(1 for u in engine.units if u.shardable and u.state is not UnitState.RELEASED)
 
     def wrap(name, fn):
         def traced(unit, *args, **kwargs):
@@ -73,12 +75,12 @@ def _trace(engine: ZeroTopoEngine, events: list) -> None:
             return fn(unit, *args, **kwargs)
         return traced
 
-    engine._start_gather = wrap("start", engine._start_gather)
-    engine._finish_gather = wrap("wait", engine._finish_gather)
-    engine._reduce_gradient = wrap("reduce", engine._reduce_gradient)
+    engine.gathers._start = wrap("start", engine.gathers._start)
+    engine.gathers._finish = wrap("wait", engine.gathers._finish)
+    engine.reduce_gradient = wrap("reduce", engine.reduce_gradient)
     for unit in engine.units:  # after the engine's own post-forward hook
         unit.module.register_forward_hook(
-            lambda _m, _a, _o, i=unit.index: None if engine._in_backward else events.append(("fwd_end", i, live())))
+            lambda _m, _a, _o, i=unit.index: None if engine.gathers.in_backward else events.append(("fwd_end", i, live())))
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.ops.quant import ErrorFeedback, QuantizationError
+from megatron.ops.quant import QuantizationError
 from megatron.ops.quant.reference import ReferenceQuantizer
+from quant_oracles import ErrorFeedback
 
 REF = ReferenceQuantizer()
 BITS, BLOCK, STEPS = 4, 64, 200

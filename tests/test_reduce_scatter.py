@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import run_ranks
+from megatron.topology.layout import ShardLayout
 from megatron.topology import ProcessGroups, ShardFactors, Topology
 from megatron.engine import Communicator
 
@@ -24,7 +25,7 @@ def _input(rank: int, k: int, salt: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    groups = ProcessGroups.build(Topology.simulated(list(LAYOUT)), ShardFactors(*FACTORS))
+    groups = ProcessGroups.build(Topology.simulated(list(LAYOUT)), ShardLayout.from_topology(Topology.simulated(list(LAYOUT)), ShardFactors(*FACTORS)))
     comm = Communicator(groups)
     out = {"one_tier": {}, "kinds": {}}
     results = {}
@@ -68,7 +69,7 @@ def test_reduce_scatter_sums_every_group_kind_on_gloo(tmp_path):
 def test_ring_and_exchange_are_charged_as_the_ring_per_tier():
     """The ledger's rule is the ring's (test_ledger.py); the exchange path must charge the same per
     tier on a one-tier group, and the ring path the ring itself."""
-    groups = ProcessGroups(Topology.simulated(list(LAYOUT)), ShardFactors(*FACTORS), 0, create=False)
+    groups = ProcessGroups(Topology.simulated(list(LAYOUT)), ShardLayout.from_topology(Topology.simulated(list(LAYOUT)), ShardFactors(*FACTORS)), 0, create=False)
     comm = Communicator(groups)
     for group in (groups.weight, groups.stride, groups.cross):
         assert comm._one_tier(group)

@@ -11,11 +11,13 @@ from safetensors.torch import save_file
 
 from conftest import run_deepy, tiny_run_config
 from dist_harness import run_ranks
+from megatron.engine.settings import EngineSettings
+from megatron.topology.layout import ShardLayout
 from megatron.build import unit_materializer
 from megatron.checkpointing.hf import hf_config_dict, to_hf_state_dict
 from megatron.engine import lm_loss
 from megatron.model import GPTNeoX
-from megatron.topology import ProcessGroups, Topology, preset_factors
+from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from test_engine import OPT, SEED, VOCAB, tiny_cfg
 
@@ -71,10 +73,9 @@ def test_hf_folder_of_another_shape_is_refused(tmp_path):
 def _build_worker(rank: int, world_size: int, preset: str) -> dict:
     model = meta_model(no_weight_tying=True)
     topology = Topology.simulated([2, 2])
-    groups = ProcessGroups(topology, preset_factors(preset, topology), rank)
+    groups = ProcessGroups(topology, ShardLayout.from_topology(topology, preset=preset), rank)
     comm = Communicator(groups)
-    engine = ZeroTopoEngine(model, model.units(), lm_loss, OPT, "fp32", groups, comm, 1, preset=preset,
-                            device=torch.device("cpu"), materialize=unit_materializer(model))
+    engine = ZeroTopoEngine(model, lm_loss, groups, comm, EngineSettings(optimizer=OPT, precision="fp32", accumulation_steps=1), device=torch.device("cpu"), materialize=unit_materializer(model))
     left = [name for unit in model.units() for name, _ in unit.named_parameters()]
     state = engine.full_state_dict()
     return {"params": state if rank == 0 else None, "left": left}

@@ -11,8 +11,10 @@ import math
 
 import pytest
 
-from megatron.analytic.comm_model import (ALLGATHER, REDUCE_SCATTER, CommModelError,
-                                           CommSpec, QuantSpec, bytes_by_tier, predict_ledger)
+from megatron.topology.layout import ShardLayout
+from megatron.analytic.comm_model import CommModelError, CommSpec, bytes_by_tier, predict_ledger
+from megatron.ops.quant.spec import QuantSpec
+from megatron.topology.names import ALL_GATHER, REDUCE_SCATTER
 from megatron.topology.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
 from megatron.analytic.hardware import PROBE_FORMAT, Device, Hardware, TierLink
 from megatron.analytic.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
@@ -68,7 +70,7 @@ def test_the_reduce_scatter_is_the_one_the_backend_runs():
     assert algorithm_of(REDUCE_SCATTER, [0, 2], (2, 2), "gloo") == ALL_TO_ALL_SUM
     assert algorithm_of(REDUCE_SCATTER, [0, 1, 2, 3], (2, 2), "gloo") == RING_REDUCE_SCATTER
     assert algorithm_of(REDUCE_SCATTER, [0, 1], (2, 2), "nccl") == RING_REDUCE_SCATTER
-    assert algorithm_of(ALLGATHER, [0, 1], (2, 2), "gloo") == RING_ALLGATHER
+    assert algorithm_of(ALL_GATHER, [0, 1], (2, 2), "gloo") == RING_ALLGATHER
     with pytest.raises(CommModelError, match="unknown collective op"):
         algorithm_of("broadcast", [0, 1], (2, 2), "nccl")
 
@@ -88,7 +90,7 @@ OPTIMIZER_S = 3 * 100 / 100.0                                 # 3 units x S/os =
 
 
 def zero3_spec(**kw) -> CommSpec:
-    return CommSpec(UNITS, (2, 2), preset="stage3", **kw)
+    return CommSpec(UNITS, ShardLayout.resolve((2, 2), preset="stage3"), **kw)
 
 
 def test_a_step_with_nothing_overlapped_is_the_sum_of_its_parts():
@@ -131,7 +133,7 @@ def test_each_tier_hides_with_its_own_overlap_efficiency():
     # A device that hides in-node transfers at 0.5 and cross-node ones fully: in-node windows of
     # compute C and transfers M cost C + M - min(0.5 M, 0.5 C); the boundary hides nothing anyway.
     units = (800, 800, 800)
-    spec = CommSpec(units, (2, 2), preset="zero_topo")
+    spec = CommSpec(units, ShardLayout.resolve((2, 2), preset="zero_topo"))
     node_pair = 1 * INTRA_LAT + 0.5 * 800 * 4 / INTRA_BW           # one gather or reduce-scatter: 1.7 s
     f0, f1, f2 = FWD
     G = R = node_pair
@@ -160,7 +162,7 @@ def test_quantization_kernels_are_never_hidden():
     # unit u+1's gather hides behind unit u's forward, its kernel time does not.
     block = 100
     quant = QuantSpec.from_settings(quantized_weights=True, block_size=block)
-    spec = CommSpec((1600, 1600, 1600), (2, 2), preset="stage3", quant=quant)
+    spec = CommSpec((1600, 1600, 1600), ShardLayout.resolve((2, 2), preset="stage3"), quant=quant)
     rate = 1000.0
     kernel = 1600 * (1 + 1 / 4) / 2 / rate                            # 1 s per gather
     hw = toy_hardware(efficiency=1.0, quantize_rate=rate)
@@ -183,7 +185,7 @@ def test_zero_topo_pays_the_cross_node_hops_once_per_step():
     # zero_topo (2, 2, 4) on (2, 2): the weight group is a node, so micro-steps never leave it;
     # at the boundary the cross groups {0, 2} {1, 3} reduce-scatter S/2 and gather it back.
     units = (800, 800, 800)                                  # multiples of 4
-    spec = CommSpec(units, (2, 2), preset="zero_topo", micro_batches=2)
+    spec = CommSpec(units, ShardLayout.resolve((2, 2), preset="zero_topo"), micro_batches=2)
     work = StepWork(TOKENS, (0.0, 0.0, 0.0), prefetch_gathers=False, overlap_comm=False)
     st = step_time(spec, toy_hardware(), work)
     half = 800 * 4 // 2                                      # S/g bytes, the cross hop's buffer
@@ -204,7 +206,7 @@ def test_quantized_collectives_pay_their_kernels():
     block = 100
     quant = QuantSpec.from_settings(quantized_weights=True, block_size=block)
     units = (1600, 1600, 1600)                               # multiples of N x b = 400
-    spec = CommSpec(units, (2, 2), preset="stage3", quant=quant)
+    spec = CommSpec(units, ShardLayout.resolve((2, 2), preset="stage3"), quant=quant)
     rate = 1000.0
     work = StepWork(TOKENS, (0.0, 0.0, 0.0), prefetch_gathers=False, overlap_comm=False)
     st = step_time(spec, toy_hardware(quantize_rate=rate), work)
@@ -231,7 +233,7 @@ def test_scaling_efficiency_is_against_the_smallest_node_count():
                                                  ((2, 4), "hsdp", 2), ((2, 2, 2), "zeropp", 2),
                                                  ((4, 2, 2), "stage2", 1)])
 def test_bytes_by_tier_equal_the_rank_by_rank_ledger_model(layout, preset, micro):
-    spec = CommSpec((1000, 3000, 2000), layout, preset=preset, micro_batches=micro)
+    spec = CommSpec((1000, 3000, 2000), ShardLayout.resolve(layout, preset=preset), micro_batches=micro)
     fast = ledger_bytes_by_tier(spec)
     slow = bytes_by_tier(predict_ledger(spec))
     assert set(fast) == set(slow)
@@ -243,7 +245,7 @@ def test_more_accumulation_never_raises_zero_topo_inter_node_bytes_but_grows_zer
     units = (4096, 8192, 8192, 4096)
     inter = {}
     for preset in ("zero_topo", "stage3"):
-        inter[preset] = [ledger_bytes_by_tier(CommSpec(units, (2, 2, 2), preset=preset, micro_batches=a))["inter_node"]
+        inter[preset] = [ledger_bytes_by_tier(CommSpec(units, ShardLayout.resolve((2, 2, 2), preset=preset), micro_batches=a))["inter_node"]
                          for a in range(1, 9)]
     topo, zero3 = inter["zero_topo"], inter["stage3"]
     assert all(b <= a for a, b in zip(topo, topo[1:]))

@@ -168,9 +168,9 @@ def test_preset_factors_and_resolution_from_config_parts():
 
 
 def test_process_groups_rank_lists_without_processes():
-    groups = ProcessGroups(Topology.simulated([2, 2, 2]), ShardFactors(2, 4, 8), 5, create=False)
+    groups = ProcessGroups(Topology.simulated([2, 2, 2]), ShardLayout.from_topology(Topology.simulated([2, 2, 2]), ShardFactors(2, 4, 8)), 5, create=False)
     assert groups.weight.ranks == (4, 5) and groups.stride.ranks == (5, 7) and groups.cross.ranks == (1, 5)
     assert groups.replica.ranks == (5,) and groups.node.ranks == (4, 5, 6, 7) and groups.world.size == 8
     assert groups.weight.handle is None
-    hsdp = ProcessGroups(Topology.simulated([2, 2, 2]), ShardFactors(4, 4, 4), 6, create=False)
+    hsdp = ProcessGroups(Topology.simulated([2, 2, 2]), ShardLayout.from_topology(Topology.simulated([2, 2, 2]), ShardFactors(4, 4, 4)), 6, create=False)
     assert hsdp.replica.ranks == (2, 6) and hsdp.cross.size == 1 and hsdp.stride.size == 1

@@ -8,15 +8,12 @@ every 10% or 30 s otherwise (--no-progress: none).
 """
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron.checkpointing.checkpointer import CheckpointError  # noqa: E402
-from megatron.checkpointing.hf_io import export_hf  # noqa: E402
-from megatron.config import ConfigError  # noqa: E402
+from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.hf_io import export_hf
+from megatron.config import ConfigError
 
 
 def main(argv=None) -> int:

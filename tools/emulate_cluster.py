@@ -26,7 +26,8 @@ environment (megatron.launch.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_A
 NEOX_TOPO_SIMULATED for a simulated layout, NEOX_TOPO_EXIT_WITH_PARENT=<this pid>, thread and
 malloc settings), with LOCAL_RANK = r % R and LOCAL_WORLD_SIZE = R instead of the single-host
 values, GLOO_SOCKET_IFNAME=<run>n<node> (gloo binds to the node's interface) and MASTER_ADDR =
-node 0's address. When a rank fails the others are stopped (SIGTERM, SIGKILL after --grace-s).
+node 0's address. When a rank fails the others are stopped (SIGTERM, SIGKILL after --grace-s); the
+ranks are started and watched by megatron/launch/spawner.py, so the rank named is the first to fail.
 
 Training. After `--` come deepy.py's arguments: `[SCRIPT.py] CONFIG.yml ... [--set KEY=VALUE]
 [-d DIR] [-- script args]`. The configs are merged and validated exactly as deepy.py does
@@ -52,6 +53,7 @@ expired; 130 / 143 interrupted by SIGINT / SIGTERM. The network is torn down in 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -68,10 +70,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron.launch.launcher import local_rank_env, script_command
+from megatron.launch.spawner import PIPE, RankCommand, RankProcesses, exit_code_of
 
-from megatron.launch.launcher import exit_code_of, local_rank_env, script_command  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 USAGE = 2
 UNAVAILABLE = 69  # EX_UNAVAILABLE (sysexits.h)
@@ -335,62 +337,32 @@ def _pump(stream, target: TextIO, prefix: str, lock: threading.Lock) -> None:
             target.flush()
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # each rank leads its own session
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_ranks(cluster: Cluster, specs: Sequence[RankSpec], *, timeout_s: float = 0, grace_s: float = 10.0,
               out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Start every rank in its node's namespace; 0 when all succeed, else the first failure's code.
-    `ip netns exec` enters the namespace and execs the command, so each Popen is the rank itself."""
-    procs: list[subprocess.Popen] = []
+    """Start every rank in its node's namespace; 0 when all succeed, else the code of the first rank
+    to fail. `ip netns exec` enters the namespace and execs the command, so each process is the rank itself."""
     pumps: list[threading.Thread] = []
     lock = threading.Lock()
     try:
-        for spec in specs:
-            proc = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(spec.node), *spec.command],
-                                    env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-            procs.append(proc)
-            prefix = f"[rank {spec.rank}] " if spec.rank else ""
-            for stream, target in ((proc.stdout, out), (proc.stderr, err)):
-                pumps.append(threading.Thread(target=_pump, args=(stream, target, prefix, lock), daemon=True))
-                pumps[-1].start()
-        deadline = time.monotonic() + timeout_s if timeout_s else None
-        code = None
-        while code is None:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                code = exit_code_of(failed[0])
-                print(f"emulate_cluster: rank {codes.index(failed[0])} exited with {code}; stopping the others",
-                      file=err, flush=True)
-            elif all(c == 0 for c in codes):
-                code = 0
-            elif deadline is not None and time.monotonic() > deadline:
+        with RankProcesses(grace_s) as ranks:
+            for spec in specs:
+                proc = ranks.start(RankCommand(["ip", "netns", "exec", cluster.namespace(spec.node), *spec.command],
+                                               spec.env, output=PIPE))
+                prefix = f"[rank {spec.rank}] " if spec.rank else ""
+                for stream, target in ((proc.stdout, out), (proc.stderr, err)):
+                    pumps.append(threading.Thread(target=_pump, args=(stream, target, prefix, lock), daemon=True))
+                    pumps[-1].start()
+            try:
+                failed = ranks.first_failure(timeout_s or None, tick_s=0.05)
+            except TimeoutError:
                 print(f"emulate_cluster: --timeout-s {timeout_s:g} expired; stopping the ranks", file=err, flush=True)
-                code = TIMED_OUT
-            else:
-                time.sleep(0.05)
-        return code
+                return TIMED_OUT
+            if failed is None:
+                return 0
+            code = exit_code_of(failed.returncode)
+            print(f"emulate_cluster: rank {failed.rank} exited with {code}; stopping the others", file=err, flush=True)
+            return code
     finally:
-        _stop(procs, grace_s)
         for pump in pumps:
             pump.join(timeout=5)
 
@@ -421,9 +393,17 @@ class _DeepyArgs(argparse.ArgumentParser):
         raise UsageError(f"{message}; after --: [SCRIPT.py] CONFIG.yml ... [--set KEY=VALUE] [-d DIR] [-- script args]")
 
 
+def _deepy():
+    """deepy.py, the launcher script at the checkout's root (a script, not part of the installed package)."""
+    spec = importlib.util.spec_from_file_location("deepy", REPO / "deepy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def training_config(deepy_args: Sequence[str]) -> tuple[object, str, list[str]]:
     """deepy.py's arguments -> (the validated config, the script, the script's own arguments)."""
-    import deepy
+    deepy = _deepy()
     from megatron.checkpointing.folders import save_folder_conflict
     from megatron.config import ConfigError, launch_environment_error, load_config
 
@@ -453,7 +433,7 @@ def training_config(deepy_args: Sequence[str]) -> tuple[object, str, list[str]]:
 
 def training_command(cfg, script: str, script_args: Sequence[str]) -> list[str]:
     """The rank command, with the config written once as JSON where deepy.py writes it."""
-    import deepy
+    deepy = _deepy()
     from megatron.config import ConfigError
     try:
         path = deepy.write_run_config(cfg)

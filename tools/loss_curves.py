@@ -43,9 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from megatron.logging.run_history import (TRAIN_LOSS, VALID_LOSS, RunError, RunHistory,  # noqa: E402
+from megatron.logging.run_history import (TRAIN_LOSS, VALID_LOSS, RunError, RunHistory,
                                           read_run)
 
 PROG = "loss_curves"

@@ -23,18 +23,16 @@ import re
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from megatron.config import ConfigError, load_config  # noqa: E402
-from megatron.topology import Topology  # noqa: E402
-from megatron.analytic.comm_model import CommModelError  # noqa: E402
-from megatron.analytic.figure_sets import FIGURE_SET_NAMES  # noqa: E402
-from megatron.analytic.model_inputs import figure_set_of, figures_note, padded_vocab_of, quant_spec_of  # noqa: E402
-from megatron.analytic.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,  # noqa: E402
+from megatron.config import ConfigError, load_config
+from megatron.topology import Topology
+from megatron.analytic.comm_model import CommModelError
+from megatron.analytic.figure_sets import FIGURE_SET_NAMES
+from megatron.analytic.model_inputs import figure_set_of, figures_note, padded_vocab_of
+from megatron.ops.quant.spec import QuantSpec
+from megatron.analytic.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,
                                         search)
-from megatron.analytic.hardware import Hardware  # noqa: E402
-from megatron.analytic.time_model import scaling_efficiency  # noqa: E402
+from megatron.analytic.hardware import Hardware
+from megatron.analytic.time_model import scaling_efficiency
 
 TIER_COLUMNS = ("inter_node", "intra_node", "intra_gpu")
 
@@ -93,7 +91,7 @@ def plan_nodes(args, nodes: int):
     if args.probe:
         hw = hw.with_probe(args.probe, args.probe)
     inputs = inputs_from_config(cfg, vocab, hw, args.memory_per_device)
-    quants = {"config": quant_spec_of(cfg.zero)}
+    quants = {"config": QuantSpec.from_config(cfg.zero)}
     if args.quantization == "all":
         quants = {name: quant_spec(name, inputs.quant_block) for name in QUANT_CHOICES}
     ckpt = {"config": (bool(cfg.model.checkpoint_activations),), "on": (True,), "off": (False,),

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from megatron.data import DataError  # noqa: E402
-from megatron.data.preprocess import preprocess  # noqa: E402
-from megatron.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megatron.data import DataError
+from megatron.data.preprocess import preprocess
+from megatron.data.tokenizers import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

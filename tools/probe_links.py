@@ -42,24 +42,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from megatron.topology.layout import ShardLayout
+from megatron.config.schema import ModelConfig
+from megatron.topology import ProcessGroups, ShardFactors, Topology
+from megatron.topology.groups import RankGroup
+from megatron.engine.comm import Communicator
+from megatron.analytic.comm_model import rank_coords
+from megatron.topology.names import TIERS_BY_DEPTH
+from megatron.model.sizes import unit_flops_per_token
+from megatron.analytic.hardware import PROBE_FORMAT, group_shape
+from megatron.analytic.time_model import algorithm_of, footprint
 
-from megatron.config.schema import ModelConfig  # noqa: E402
-from megatron.topology import ProcessGroups, ShardFactors, Topology  # noqa: E402
-from megatron.topology.groups import RankGroup  # noqa: E402
-from megatron.engine.comm import Communicator  # noqa: E402
-from megatron.analytic.comm_model import TIERS_BY_DEPTH, rank_coords  # noqa: E402
-from megatron.model.sizes import unit_flops_per_token  # noqa: E402
-from megatron.analytic.hardware import PROBE_FORMAT, group_shape  # noqa: E402
-from megatron.analytic.time_model import algorithm_of, footprint  # noqa: E402
-
-OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-MODEL_OP = {"all_gather": "allgather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
-            "all_reduce": "allreduce"}  # the comm model's names
+OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")  # megatron.topology.names' spellings
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PHASE = "control"  # the ledger needs a phase; nothing reads the probe's ledger
 
@@ -95,7 +92,7 @@ class Probe:
         self.args, self.rank, self.device, self.backend = args, rank, device, backend
         self.layout = tuple(args.layout)
         self.topology = Topology.simulated(self.layout)
-        self.comm = Communicator(ProcessGroups(self.topology, ShardFactors(1, 1, 1), rank, create=False), device=device)
+        self.comm = Communicator(ProcessGroups(self.topology, ShardLayout.from_topology(self.topology, ShardFactors(1, 1, 1)), rank, create=False), device=device)
         self.dtype = DTYPES[args.dtype]
         self.kinds = {}  # name -> (all groups, this rank's RankGroup)
         depth = len(self.layout)
@@ -156,7 +153,7 @@ class Probe:
             ops = OPS if name.startswith("band:") or name == "world" else ("all_to_all", "all_gather")
             shape = group_shape(groups[0], self.layout)
             for op in ops:
-                algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
+                algorithm = algorithm_of(op, groups[0], self.layout, self.backend)
                 fp = footprint(groups, self.layout, algorithm)
                 points, rates = [], []
                 for kb in self.args.sizes_kb:
@@ -199,7 +196,7 @@ class Probe:
                 continue
             groups, mine = self.kinds[name]
             for op in ("all_gather", "reduce_scatter"):
-                algorithm = algorithm_of(MODEL_OP[op], groups[0], self.layout, self.backend)
+                algorithm = algorithm_of(op, groups[0], self.layout, self.backend)
                 measured = taken.get((name, op))
                 if measured is None:
                     measured = self.time_op(op, mine, nbytes)
@@ -277,7 +274,7 @@ class Probe:
                 continue
             tier = name.split(":", 1)[1]
             k = group.size
-            load = footprint(groups, self.layout, algorithm_of("allgather", groups[0], self.layout,
+            load = footprint(groups, self.layout, algorithm_of("all_gather", groups[0], self.layout,
                                                                self.backend)).domain_load[tier]
             fig = gather_fits.get(tier)
             nbytes = self.args.sizes_kb[-1] * 1024

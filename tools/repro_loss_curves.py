@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from megatron.config import ConfigError, load_config
+from megatron.data.demo_corpus import DATA_PREFIX, ensure_demo_data
+from megatron.logging.metrics import format_duration
+from megatron.logging.progress import Progress
+from megatron.logging.run_history import RunError, read_run
 
-from megatron.config import ConfigError, load_config  # noqa: E402
-from megatron.data.demo_corpus import DATA_PREFIX, ensure_demo_data  # noqa: E402
-from megatron.logging.metrics import format_duration  # noqa: E402
-from megatron.logging.progress import Progress  # noqa: E402
-from megatron.logging.run_history import RunError, read_run  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = "configs/repro/model.yml"
 LAYOUT = "configs/sim-2x2x2.yml"

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from megatron.data import DataError  # noqa: E402
-from megatron.data.preprocess import expand_inputs  # noqa: E402
-from megatron.data.tokenizer_training import train_tokenizer  # noqa: E402
+from megatron.data import DataError
+from megatron.data.preprocess import expand_inputs
+from megatron.data.tokenizer_training import train_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ preset's factors, the padding quantum); the groups' members, the collectives and
 restated here.
 
 Vocabulary shared with the ledger: a *collective* (op) runs in every *group* of one kind (weight,
-stride, cross, replica, node, same_local, world); in a ring collective each member sends to the next
+stride, cross, replica, node, rail, world: ``megatron.topology.names``); in a ring collective each member sends to the next
 member of its group's sorted ring, in an all-to-all to every other member, and every send is charged
 to the *tier* between the two ranks and to a *phase*.
 
@@ -23,15 +23,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.config.errors import ConfigError
+from megatron.ops.quant.spec import QuantSpec
 from megatron.topology.layout import ShardLayout
-from megatron.topology.topology import TopologyError
+from megatron.topology.names import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, STEP_PHASES, TIERS_BY_DEPTH
 
-PHASES = ("fwd_gather", "bwd_gather", "recompute_gather", "grad_reduce", "cross_grad_reduce",
-          "replica_allreduce", "refresh", "control", "eval_gather")
-# Tier names by layout depth, slowest tier first (the layout's order).
-TIERS_BY_DEPTH = {2: ("inter_node", "intra_node"), 3: ("inter_node", "intra_node", "intra_gpu")}
+PHASES = STEP_PHASES  # what one optimizer step sends (the ledger's "checkpoint" phase is outside it)
 
-ALLGATHER, REDUCE_SCATTER, ALLREDUCE, ALL_TO_ALL = "allgather", "reduce_scatter", "allreduce", "all_to_all"
 FP32_BYTES, FP64_BYTES = 4, 8
 CROSS_NODE_REDUCTIONS = ("reduce_scatter", "all_reduce")  # zero_optimization.cross_node_reduction
 
@@ -40,49 +37,6 @@ Ledger = dict  # dict[(phase, tier), int]: bytes sent per optimizer step
 
 class CommModelError(ConfigError, ValueError):
     """A CommSpec the model cannot describe (bad layout, factors, preset...): a one-line user error."""
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """Effective quantization bits per phase (0 = the phase moves the compute dtype) and the block.
-
-    ``QuantSpec.from_settings`` applies the defaults of the ``zero_optimization`` keys; the fields
-    themselves are the resolved values the engine runs with.
-    """
-    weight_gather_bits: int = 0
-    """Weight gathers (fwd/bwd/recompute/eval; zeropp's world and node gathers and its secondary copy)."""
-    grad_reduce_bits: int = 0
-    """Micro-step gradient hops (weight then stride group; zeropp's two qgZ hops): all-to-all."""
-    cross_node_grad_bits: int = 0
-    """The step-boundary cross-group gradient hop: all-to-all. The replica allreduce is never quantized."""
-    refresh_bits: int = 0
-    """The refresh's cross-group allgather of the master slices (the stride hop stays in dtype c)."""
-    block_size: int = 2048
-    """b: elements per block, one fp32 scale each."""
-    error_feedback: bool = False
-    """Keep one fp32 residual per unit per quantized reduction hop (memory category ``error_feedback``)."""
-
-    @classmethod
-    def from_settings(cls, quantized_weights: bool = False, quantized_gradients: bool = False,
-                      quantized_refresh: bool = False, block_size: int = 2048, error_feedback: bool = False,
-                      weight_gather_bits: Optional[int] = None, grad_reduce_bits: Optional[int] = None,
-                      cross_node_grad_bits: Optional[int] = None, refresh_bits: Optional[int] = None) -> "QuantSpec":
-        """Resolve DeepSpeed-style switches and per-phase overrides (None = default) into bits."""
-        weight = (8 if quantized_weights else 0) if weight_gather_bits is None else weight_gather_bits
-        grad = (4 if quantized_gradients else 0) if grad_reduce_bits is None else grad_reduce_bits
-        cross = grad if cross_node_grad_bits is None else cross_node_grad_bits
-        refresh = (8 if quantized_weights or quantized_refresh else 0) if refresh_bits is None else refresh_bits
-        return cls(weight, grad, cross, refresh, block_size, error_feedback)
-
-    @property
-    def phase_bits(self) -> dict:
-        return {"weight_gather_bits": self.weight_gather_bits, "grad_reduce_bits": self.grad_reduce_bits,
-                "cross_node_grad_bits": self.cross_node_grad_bits, "refresh_bits": self.refresh_bits}
-
-    @property
-    def enabled(self) -> bool:
-        """Any phase quantized (this is what pads units to q = N x b)."""
-        return any(self.phase_bits.values())
 
 
 def packed_message_bytes(numel: int, bits: int, block_size: int) -> int:
@@ -98,12 +52,8 @@ class CommSpec:
     """Everything the model needs about one optimizer step of one run."""
     unit_numels: tuple
     """Parameter count P_u of each unit in forward order: embedding, blocks..., final norm + head."""
-    layout: tuple
-    """Tier sizes slowest first: (nodes, gpus, gcds) or (nodes, ranks per node)."""
-    preset: Optional[str] = None
-    """A preset of ``megatron.topology.layout.PRESETS``; exactly one of preset / factors is given."""
-    factors: Optional[tuple] = None
-    """Explicit (w, g, os) with w | g | os | N (a ladder configuration)."""
+    layout: ShardLayout
+    """The run's shard layout (megatron/topology/layout.py): tiers, (w, g, os) and the preset's name."""
     micro_batches: int = 1
     """Gradient-accumulation micro-batches A per optimizer step."""
     compute_bytes: int = 4
@@ -133,36 +83,29 @@ class CommSpec:
     """The ladder's step-boundary cross hop: reduce_scatter of the S/g accumulator (ours; quantized when
     quant.cross_node_grad_bits > 0), or all_reduce of it, unquantized, each member keeping its S/os
     (the paper's: twice the reduce-scatter's bytes)."""
-    shard_layout: ShardLayout = field(init=False, repr=False, compare=False)
-    """Derived from layout + preset / factors by ``_validate``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_numels", tuple(int(p) for p in self.unit_numels))
-        object.__setattr__(self, "layout", tuple(int(n) for n in self.layout))
         object.__setattr__(self, "checkpointed_units", frozenset(self.checkpointed_units))
-        if self.factors is not None:
-            object.__setattr__(self, "factors", tuple(int(f) for f in self.factors))
         _validate(self)
 
     @property
     def world_size(self) -> int:
-        return self.shard_layout.world_size
+        return self.layout.world_size
 
     @property
     def ranks_per_node(self) -> int:
-        return self.shard_layout.ranks_per_node
+        return self.layout.ranks_per_node
 
     @property
     def tiers(self) -> tuple:
-        return TIERS_BY_DEPTH[len(self.layout)]
+        """Tier names, slowest first."""
+        return TIERS_BY_DEPTH[len(self.layout.tiers)]
 
     @property
-    def is_zeropp(self) -> bool:
-        return self.shard_layout.hpz
-
-    def resolved_factors(self) -> tuple:
+    def factors(self) -> tuple:
         """(w, g, os); zeropp reports (N, N, N), its primary sharding."""
-        return self.shard_layout.factors.as_tuple()
+        return self.layout.factors.as_tuple()
 
 
 def transformer_block_units(num_units: int) -> frozenset:
@@ -173,13 +116,9 @@ def transformer_block_units(num_units: int) -> frozenset:
 def _validate(spec: CommSpec) -> None:
     if not spec.unit_numels or min(spec.unit_numels) < 1:
         raise CommModelError("unit_numels must be a non-empty list of positive parameter counts")
-    if (spec.preset is None) == (spec.factors is None):
-        raise CommModelError("give exactly one of preset or factors")
-    try:
-        layout = ShardLayout.resolve(spec.layout, preset=spec.preset, shard_factors=spec.factors)
-    except TopologyError as err:
-        raise CommModelError(str(err)) from None
-    object.__setattr__(spec, "shard_layout", layout)
+    if not isinstance(spec.layout, ShardLayout):
+        raise CommModelError(f"layout must be a ShardLayout (ShardLayout.resolve(tiers, preset=...)); "
+                             f"got {type(spec.layout).__name__}")
     if spec.micro_batches < 1 or spec.eval_forward_passes < 0:
         raise CommModelError("micro_batches must be >= 1 and eval_forward_passes >= 0")
     if spec.compute_bytes not in (2, 4):
@@ -188,26 +127,15 @@ def _validate(spec: CommSpec) -> None:
         raise CommModelError(f"checkpointed_units {sorted(spec.checkpointed_units)} name units that do not exist")
     if min(spec.loss_vector_len, spec.eval_loss_vector_len, spec.ledger_vector_len) < 1:
         raise CommModelError("loss_vector_len, eval_loss_vector_len and ledger_vector_len must be >= 1")
-    _validate_quant(spec.quant)
+    if not isinstance(spec.quant, QuantSpec):
+        raise CommModelError(f"quant must be a QuantSpec; got {type(spec.quant).__name__}")
     if spec.cross_node_reduction not in CROSS_NODE_REDUCTIONS:
         raise CommModelError(f"cross_node_reduction must be one of {', '.join(CROSS_NODE_REDUCTIONS)}; "
                              f"got {spec.cross_node_reduction!r}")
-    if spec.cross_node_reduction == "all_reduce" and (spec.quant.cross_node_grad_bits or layout.hpz):
+    if spec.cross_node_reduction == "all_reduce" and (spec.quant.cross_node_grad_bits or spec.layout.hpz):
         raise CommModelError("cross_node_reduction all_reduce is an unquantized hop over the cross group: it needs "
                              f"cross_node_grad_bits 0 (got {spec.quant.cross_node_grad_bits}) and a ladder layout, "
                              "not zeropp")
-
-
-def _validate_quant(quant: QuantSpec) -> None:
-    if not isinstance(quant, QuantSpec):
-        raise CommModelError(f"quant must be a QuantSpec; got {type(quant).__name__}")
-    for name, bits in quant.phase_bits.items():
-        if bits not in (0, 4, 8):
-            raise CommModelError(f"{name} must be 0 (off), 4 or 8; got {bits}")
-    if quant.block_size < 1:
-        raise CommModelError(f"quantization block_size must be >= 1; got {quant.block_size}")
-    if 4 in quant.phase_bits.values() and quant.block_size % 2:
-        raise CommModelError(f"INT4 packs two codes per byte: block_size must be even; got {quant.block_size}")
 
 
 # -- padding -------------------------------------------------------------------------------------
@@ -216,7 +144,7 @@ def padded_unit_numels(spec: CommSpec) -> tuple:
     """S_u = ceil(P_u / q) * q for every unit, q the layout's padding quantum: N, or N x b with any
     phase quantized (``ShardLayout.padding_quantum`` says why)."""
     block = spec.quant.block_size if spec.quant.enabled else None
-    return tuple(spec.shard_layout.padded_size(p, block) for p in spec.unit_numels)
+    return tuple(spec.layout.padded_size(p, block) for p in spec.unit_numels)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -253,7 +181,7 @@ def ring_hops(group: list, layout: tuple) -> list:
 def groups_of_kind(kind: str, spec: CommSpec) -> list:
     """All groups of one kind, each a sorted rank list (engine.md, "Groups")."""
     n, r = spec.world_size, spec.ranks_per_node
-    w, g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.factors
     if kind == "weight":
         return [list(range(b * w, b * w + w)) for b in range(n // w)]
     if kind == "stride":
@@ -264,7 +192,7 @@ def groups_of_kind(kind: str, spec: CommSpec) -> list:
         return [[k * os_ + pos for k in range(n // os_)] for pos in range(os_)]
     if kind == "node":
         return [list(range(node * r, node * r + r)) for node in range(n // r)]
-    if kind == "same_local":  # zeropp qgZ's second hop: the same local rank on every node
+    if kind == "rail":  # zeropp qgZ's second hop: the same local rank on every node
         return [[node * r + local for node in range(n // r)] for local in range(r)]
     if kind == "world":
         return [list(range(n))]
@@ -301,7 +229,7 @@ class Collective:
 
 def step_collectives(spec: CommSpec) -> list:
     """Every collective of one optimizer step window (groups of size 1 included; they send nothing)."""
-    body = _zeropp_collectives(spec) if spec.is_zeropp else _ladder_collectives(spec)
+    body = _zeropp_collectives(spec) if spec.layout.hpz else _ladder_collectives(spec)
     return body + control_collectives(spec)
 
 
@@ -309,9 +237,9 @@ def _gather(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: i
             count: int = 1, unit: Optional[int] = None) -> Collective:
     """Allgather of k chunks into ``numel`` elements; quantized, of k packed messages of numel/k."""
     if bits:
-        return Collective(phase, ALLGATHER, group, k * packed_message_bytes(numel // k, bits, block), 1, count,
+        return Collective(phase, ALL_GATHER, group, k * packed_message_bytes(numel // k, bits, block), 1, count,
                           unit, bits)
-    return Collective(phase, ALLGATHER, group, numel, elem_bytes, count, unit)
+    return Collective(phase, ALL_GATHER, group, numel, elem_bytes, count, unit)
 
 
 def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: int, block: int,
@@ -327,7 +255,7 @@ def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: i
 def _spans_nodes(kind: str, spec: CommSpec) -> bool:
     """Whether the groups of a kind (all alike) hold ranks of more than one node."""
     first = groups_of_kind(kind, spec)[0]
-    return any(tier_between(first[0], r, spec.layout) == "inter_node" for r in first[1:])
+    return any(tier_between(first[0], r, spec.layout.tiers) == "inter_node" for r in first[1:])
 
 
 def gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
@@ -337,7 +265,7 @@ def gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
 
 
 def _ladder_collectives(spec: CommSpec) -> list:
-    w, g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.factors
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
     boundary = FP32_BYTES if spec.fp32_allreduce else c
     weight_hop, stride_hop = gradient_hop_bytes("weight", spec), gradient_hop_bytes("stride", spec)
@@ -351,13 +279,13 @@ def _ladder_collectives(spec: CommSpec) -> list:
             passes.append((backward_gather, a))
         out += [_gather(phase, "weight", s, w, c, qs.weight_gather_bits, b, n, u) for phase, n in passes]
         # the step boundary's cross hop on the S/g accumulator: the paper's all-reduce, or our reduce-scatter
-        cross_hop = (Collective("cross_grad_reduce", ALLREDUCE, "cross", s // g, boundary, 1, u)
+        cross_hop = (Collective("cross_grad_reduce", ALL_REDUCE, "cross", s // g, boundary, 1, u)
                      if spec.cross_node_reduction == "all_reduce" else
                      _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u))
         out += [_reduce("grad_reduce", "weight", s, w, weight_hop, qs.grad_reduce_bits, b, a, u),
                 _reduce("grad_reduce", "stride", s // w, g // w, stride_hop, qs.grad_reduce_bits, b, a, u),
                 cross_hop,
-                Collective("replica_allreduce", ALLREDUCE, "replica", s // os_, boundary, 1, u),
+                Collective("replica_allreduce", ALL_REDUCE, "replica", s // os_, boundary, 1, u),
                 _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b, 1, u),
                 _gather("refresh", "stride", s // w, g // w, c, 0, b, 1, u)]
     return out
@@ -371,7 +299,7 @@ def _zeropp_collectives(spec: CommSpec) -> list:
 
     With quantized weights every gather moves packed messages (the node gathers: the secondary
     copies, each the packed message of S/R elements). With quantized gradients (qgZ) the world
-    reduce-scatter becomes two all-to-alls: node group (input S), then same_local group (input S/R).
+    reduce-scatter becomes two all-to-alls: node group (input S), then rail group (input S/R).
 
     Local work the time model charges (``Collective.copy_bytes``): the world gather keeps the node's
     secondary copy (a clone of S/R elements; quantized, its messages unpacked and packed again), and
@@ -394,7 +322,7 @@ def _zeropp_collectives(spec: CommSpec) -> list:
         out += [_gather(phase, "node", s, r, c, wbits, b, count, u) for phase, count in later.items() if count]
         if gbits:
             out += [dataclasses.replace(_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u), copy_bytes=s * c),
-                    _reduce("grad_reduce", "same_local", s // r, n // r, c, gbits, b, a, u)]
+                    _reduce("grad_reduce", "rail", s // r, n // r, c, gbits, b, a, u)]
         else:
             out.append(_reduce("grad_reduce", "world", s, n, gradient_hop_bytes("world", spec), 0, b, a, u))
     return out
@@ -402,11 +330,11 @@ def _zeropp_collectives(spec: CommSpec) -> list:
 
 def control_collectives(spec: CommSpec) -> list:
     n = spec.world_size
-    out = [Collective("control", ALLREDUCE, "world", n, FP32_BYTES),  # squared grad-norm partials
-           Collective("control", ALLREDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),
-           Collective("control", ALLREDUCE, "world", _round_up(spec.ledger_vector_len, n), FP64_BYTES)]
+    out = [Collective("control", ALL_REDUCE, "world", n, FP32_BYTES),  # squared grad-norm partials
+           Collective("control", ALL_REDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),
+           Collective("control", ALL_REDUCE, "world", _round_up(spec.ledger_vector_len, n), FP64_BYTES)]
     if spec.eval_forward_passes:  # the evaluation's own loss allreduce
-        out.append(Collective("control", ALLREDUCE, "world", _round_up(spec.eval_loss_vector_len, n), FP64_BYTES))
+        out.append(Collective("control", ALL_REDUCE, "world", _round_up(spec.eval_loss_vector_len, n), FP64_BYTES))
     return out
 
 
@@ -420,9 +348,9 @@ def _sent_bytes(op: str, k: int, nbytes: int) -> int:
     """
     if nbytes % k:
         raise CommModelError(f"{op} of {nbytes} bytes over {k} ranks: the model's buffers must be multiples of k")
-    if op in (ALLGATHER, REDUCE_SCATTER):
+    if op in (ALL_GATHER, REDUCE_SCATTER):
         return (k - 1) * nbytes // k
-    if op == ALLREDUCE:
+    if op == ALL_REDUCE:
         return 2 * (k - 1) * nbytes // k
     if op == ALL_TO_ALL:
         return nbytes // k  # to each other member
@@ -436,7 +364,7 @@ def _sends_by_kind(spec: CommSpec, kinds: set) -> dict:
         groups = groups_of_kind(kind, spec)
         k = len(groups[0])
         if k > 1:
-            out[kind] = (k, [hop for grp in groups for hop in ring_hops(grp, spec.layout)])
+            out[kind] = (k, [hop for grp in groups for hop in ring_hops(grp, spec.layout.tiers)])
     return out
 
 
@@ -451,7 +379,7 @@ def predict_ledger_per_rank(spec: CommSpec) -> dict:
         k, hops = sends[col.group]
         if col.op == ALL_TO_ALL:
             members = groups_of_kind(col.group, spec)
-            hops = [(src, dst, tier_between(src, dst, spec.layout))
+            hops = [(src, dst, tier_between(src, dst, spec.layout.tiers))
                     for grp in members for src in grp for dst in grp if dst != src]
         nbytes = _sent_bytes(col.op, k, col.nbytes) * col.count
         for src, _dst, tier in hops:

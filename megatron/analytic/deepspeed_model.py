@@ -37,8 +37,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron.analytic.comm_model import (ALL_TO_ALL, ALLGATHER, FP32_BYTES, REDUCE_SCATTER, Collective,
-                                           CommModelError, CommSpec, control_collectives, gradient_hop_bytes)
+from megatron.analytic.comm_model import (FP32_BYTES, Collective, CommModelError, CommSpec, control_collectives,
+                                           gradient_hop_bytes)
+from megatron.topology.names import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def deepspeed_collectives(spec: CommSpec, unit_shapes: Sequence[Sequence[tuple]]
     ``spec``: preset stage3 (ZeRO-3) or zeropp (hpZ); ``spec.quant.weight_gather_bits`` 8 = qwZ,
     ``grad_reduce_bits`` 4 = qgZ. ``unit_shapes``: each unit's parameters as (name, shape) in
     registration order (``megatron.model.sizes.unit_parameter_shapes``)."""
-    if spec.preset not in ("stage3", "zeropp"):
-        raise CommModelError(f"the DeepSpeed model describes ZeRO-3 (stage3) and ZeRO++ (zeropp); got {spec.preset!r}")
+    if spec.layout.preset not in ("stage3", "zeropp"):
+        raise CommModelError(f"the DeepSpeed model describes ZeRO-3 (stage3) and ZeRO++ (zeropp); got {spec.layout.preset!r}")
     if len(unit_shapes) != len(spec.unit_numels):
         raise CommModelError(f"{len(unit_shapes)} units of parameter shapes for {len(spec.unit_numels)} units")
     sizes = [[(name, shape, math.prod(shape)) for name, shape in unit] for unit in unit_shapes]
@@ -71,7 +72,7 @@ def deepspeed_collectives(spec: CommSpec, unit_shapes: Sequence[Sequence[tuple]]
     persistent = sum(p for unit in sizes for _, _, p in unit if p <= settings.param_persistence_threshold)
     if persistent:  # _post_step: every persistent parameter, one coalesced world all-gather
         k = spec.world_size
-        out.append(Collective("refresh", ALLGATHER, "world", _partitioned(persistent, k), spec.compute_bytes))
+        out.append(Collective("refresh", ALL_GATHER, "world", _partitioned(persistent, k), spec.compute_bytes))
     return out + control_collectives(spec)
 
 
@@ -100,7 +101,7 @@ def _unit_gathers(spec: CommSpec, settings: DeepSpeedSettings, u: int, params: l
     backward = "recompute_gather" if u in spec.checkpointed_units else "bwd_gather"
     out = []
     for call in _fetch_calls(params, settings):
-        if spec.is_zeropp:  # the step's first gather is global, then the node's secondary copy
+        if spec.layout.hpz:  # the step's first gather is global, then the node's secondary copy
             world = sum(_partitioned(p, n) for p in call)
             out += _gathers(spec, settings, "fwd_gather", "world", world, n, 1, u, copy=sum(p // r for p in call) * c)
             passes = [("fwd_gather", a - 1)] + ([] if reused else [(backward, a)])
@@ -118,11 +119,11 @@ def _gathers(spec: CommSpec, settings: DeepSpeedSettings, phase: str, group: str
              count: int, u: int, copy: int = 0) -> list:
     """One all_gather_coalesced: in the compute dtype, or (qwZ) int8 codes then fp32 scales."""
     if not spec.quant.weight_gather_bits:
-        return [Collective(phase, ALLGATHER, group, numel, spec.compute_bytes, count, u, copy_bytes=copy)]
+        return [Collective(phase, ALL_GATHER, group, numel, spec.compute_bytes, count, u, copy_bytes=copy)]
     scales = k * -(-(numel // k) // settings.qwz_group_size)
-    return [Collective(phase, ALLGATHER, group, numel, 1, count, u, 8, kernel_elements=(numel / k + numel) / 2,
+    return [Collective(phase, ALL_GATHER, group, numel, 1, count, u, 8, kernel_elements=(numel / k + numel) / 2,
                        copy_bytes=copy),
-            Collective(phase, ALLGATHER, group, scales, FP32_BYTES, count, u, kernel_elements=0.0)]
+            Collective(phase, ALL_GATHER, group, scales, FP32_BYTES, count, u, kernel_elements=0.0)]
 
 
 def _buckets(sizes: list, settings: DeepSpeedSettings) -> list:
@@ -141,7 +142,7 @@ def _buckets(sizes: list, settings: DeepSpeedSettings) -> list:
 def _reductions(spec: CommSpec, settings: DeepSpeedSettings, sizes: list) -> list:
     a, n, r = spec.micro_batches, spec.world_size, spec.ranks_per_node
     world_bytes = gradient_hop_bytes("world", spec)
-    qgz = spec.quant.grad_reduce_bits and spec.is_zeropp and n // r > 1  # needs more than one node
+    qgz = spec.quant.grad_reduce_bits and spec.layout.hpz and n // r > 1  # needs more than one node
     out = []
     for u, bucket in _buckets(sizes, settings):
         if not qgz:
@@ -156,9 +157,9 @@ def _reductions(spec: CommSpec, settings: DeepSpeedSettings, sizes: list) -> lis
             share = numel // r
             out += [Collective("grad_reduce", ALL_TO_ALL, "node", numel // 2, 1, a, u, 4, kernel_elements=numel),
                     Collective("grad_reduce", ALL_TO_ALL, "node", groups * FP32_BYTES, 1, a, u, kernel_elements=0.0),
-                    Collective("grad_reduce", ALL_TO_ALL, "same_local", share // 2, 1, a, u, 4, kernel_elements=share,
+                    Collective("grad_reduce", ALL_TO_ALL, "rail", share // 2, 1, a, u, 4, kernel_elements=share,
                                copy_bytes=share * FP32_BYTES),
-                    Collective("grad_reduce", ALL_TO_ALL, "same_local", groups // r * FP32_BYTES, 1, a, u,
+                    Collective("grad_reduce", ALL_TO_ALL, "rail", groups // r * FP32_BYTES, 1, a, u,
                                kernel_elements=0.0)]
     return out
 

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from megatron.logging.throughput import MI250X_GCD
 from megatron.topology.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
-from megatron.analytic.hardware import LinkCurve
+from megatron.analytic.link_curve import LinkCurve
 
 GB = 1e9
 KIB, MIB = 1024, 1024 * 1024

@@ -25,6 +25,8 @@ from typing import Mapping, Optional
 from megatron.logging.throughput import H100_SXM, MI250X_GCD
 from megatron.topology.algorithms import ALGORITHMS, BACKENDS, FALLBACK
 from megatron.analytic.comm_model import CommModelError
+from megatron.analytic.figure_sets import FIGURE_SETS
+from megatron.analytic.link_curve import LinkCurve
 
 PROBE_FORMAT = "neox-topo-link-probe/1"
 SHAPES = ("pair", "node", "cross", "world")
@@ -37,46 +39,6 @@ class TierLink:
     """Bytes per second into (or out of) one domain through this tier."""
     latency_s: float
     """Seconds per algorithm step over this tier."""
-
-
-@dataclass(frozen=True)
-class LinkCurve:
-    """An algorithm's rate in one group shape against the bytes one of its steps moves.
-
-    ``points`` are (step bytes, bytes per second through the busiest domain of the slowest tier the
-    group spans: a node when the shape spans nodes, else a rank), ascending; between two points the
-    rate is interpolated on log-log axes; above the last point it stays at the last rate, and a step
-    smaller than the first point's takes as long as that step did (a latency floor). A rate
-    measured end to end (a benchmark's bus bandwidth) already holds the per-step latency, so
-    ``latency_s`` is 0 for such curves; a curve built from a link's bandwidth adds its latency per step.
-    """
-    points: tuple
-    latency_s: float = 0.0
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        pts = tuple((float(c), float(r)) for c, r in self.points)
-        if not pts or any(c <= 0 or r <= 0 for c, r in pts) or any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
-            raise CommModelError(f"a link curve needs positive (step bytes, bytes/s) points in ascending "
-                                 f"step bytes; got {self.points!r}")
-        if self.latency_s < 0:
-            raise CommModelError(f"a link curve's latency must be >= 0; got {self.latency_s}")
-        object.__setattr__(self, "points", pts)
-
-    def bandwidth(self, step_bytes: float) -> float:
-        pts = self.points
-        if step_bytes <= pts[0][0]:  # no faster per step than the smallest step measured
-            return pts[0][1] * step_bytes / pts[0][0]
-        for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
-            if step_bytes <= c1:
-                t = math.log(step_bytes / c0) / math.log(c1 / c0)
-                return math.exp(math.log(r0) + t * math.log(r1 / r0))
-        return pts[-1][1]
-
-    def scaled(self, factor: float) -> "LinkCurve":
-        """Every rate multiplied by ``factor`` (sensitivity runs)."""
-        return LinkCurve(tuple((c, r * factor) for c, r in self.points), self.latency_s,
-                         self.source + f" (x {factor:g})")
 
 
 def group_shape(ranks, layout: tuple) -> str:
@@ -192,7 +154,6 @@ class Hardware:
 
     def with_figure_set(self, name: str) -> "Hardware":
         """These figures with a published set's curves and device rates in place (FIGURE_SETS)."""
-        from megatron.analytic.figure_sets import FIGURE_SETS
         if name not in FIGURE_SETS:
             raise CommModelError(f"unknown figure set {name!r}; choose one of nominal, {', '.join(FIGURE_SETS)}")
         published = FIGURE_SETS[name]

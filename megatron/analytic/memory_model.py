@@ -5,24 +5,25 @@ from the engine or the model, and the tests check it against both.
 """
 from __future__ import annotations
 
+from megatron.topology.names import MEMORY_CATEGORIES
 from megatron.analytic.comm_model import (FP32_BYTES, CommModelError, CommSpec, gradient_hop_bytes,
                                            packed_message_bytes, padded_unit_numels)
 
 # error_feedback appears in a prediction only when residuals are kept (see predict_model_state_bytes).
-CATEGORIES = ("weights", "zeropp_secondary", "grad_accumulator", "master", "moments", "error_feedback")
+CATEGORIES = MEMORY_CATEGORIES
 
 
 def predict_model_state_bytes(spec: CommSpec) -> dict:
     """{rank: {category: bytes}} for every rank, plus 'per_rank': the largest value over ranks.
 
-    Categories: weights (S/w x c), zeropp_secondary (zeropp only: S/R x c, or the packed message of
+    Categories: weights (S/w x c), secondary (zeropp only: S/R x c, or the packed message of
     S/R elements with quantized weights), grad_accumulator (S/g x 4), master (S/os x 4), moments
     (2 x S/os x 4), error_feedback (present only when ``quant.error_feedback`` keeps a residual, i.e.
     the reduction hop across nodes is quantized: see ``error_feedback_elements``), and their 'total'. Every rank holds equal shards (S is padded to a
     multiple of the sharding), so all ranks report the same bytes; the per-rank form is kept so a
     measured table can be compared rank by rank.
     """
-    w, g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.factors
     c, r = spec.compute_bytes, spec.ranks_per_node
     bits, block = spec.quant.weight_gather_bits, spec.quant.block_size
     sizes = padded_unit_numels(spec)
@@ -30,7 +31,7 @@ def predict_model_state_bytes(spec: CommSpec) -> dict:
                  else sum(s // r for s in sizes) * c)
     held = {
         "weights": sum(s // w for s in sizes) * c,
-        "zeropp_secondary": secondary if spec.is_zeropp else 0,
+        "secondary": secondary if spec.layout.hpz else 0,
         "grad_accumulator": sum(s // g for s in sizes) * FP32_BYTES,
         "master": sum(s // os_ for s in sizes) * FP32_BYTES,
         "moments": 2 * sum(s // os_ for s in sizes) * FP32_BYTES,
@@ -52,9 +53,9 @@ def error_feedback_elements(spec: CommSpec, padded_numel: int) -> int:
     nothing quantized), so it keeps no residual either."""
     if not spec.quant.error_feedback:
         return 0
-    w, g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.factors
     n, r, s = spec.world_size, spec.ranks_per_node, padded_numel
-    if spec.is_zeropp:
+    if spec.layout.hpz:
         return s // r if n // r > 1 and spec.quant.grad_reduce_bits else 0
     return s // g if os_ // g > 1 and spec.quant.cross_node_grad_bits else 0
 
@@ -111,7 +112,7 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     """
     held = predict_model_state_bytes(spec)["per_rank"]
     states, residuals = held["total"], held.get("error_feedback", 0)
-    w, g, os_ = spec.resolved_factors()
+    w, g, os_ = spec.factors
     c = spec.compute_bytes
     sizes = padded_unit_numels(spec)
     largest = max(sizes)
@@ -155,7 +156,7 @@ def _reduction_terms(spec: CommSpec, largest: int) -> dict:
     An unquantized first hop whose group spans nodes runs in fp32 with fp32_allreduce (e bytes an
     element, else e = c): its input is the piece cast to fp32, which replaces an overlapped piece's
     copy but sits beside a synchronous unit's gradient ("reduction input cast")."""
-    w, c = spec.resolved_factors()[0], spec.compute_bytes
+    w, c = spec.factors[0], spec.compute_bytes
     e = c if spec.quant.grad_reduce_bits else gradient_hop_bytes("weight" if w > 1 else "stride", spec)
     if spec.reductions_in_flight == 0:
         cast = {"reduction input cast": largest * e} if e != c else {}

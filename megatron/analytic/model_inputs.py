@@ -11,8 +11,9 @@ from typing import Optional
 
 from megatron.config import pad_vocab_size
 from megatron.model.sizes import unit_flops_per_token, unit_parameter_counts
-from megatron.topology.layout import CUSTOM, ShardLayout
-from megatron.analytic.comm_model import CommSpec, QuantSpec, transformer_block_units
+from megatron.topology.layout import ShardLayout
+from megatron.analytic.comm_model import CommSpec, transformer_block_units
+from megatron.ops.quant.spec import QuantSpec
 
 
 def padded_vocab_of(cfg) -> Optional[int]:
@@ -28,29 +29,19 @@ def padded_vocab_of(cfg) -> Optional[int]:
     return pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
 
 
-def quant_spec_of(zero) -> QuantSpec:
-    """The quantization of a ``ZeroConfig`` as the models describe it."""
-    return QuantSpec.from_settings(zero.zero_quantized_weights, zero.zero_quantized_gradients,
-                                   zero.zero_quantized_refresh, zero.quantization_block_size,
-                                   zero.quantization_error_feedback, zero.weight_gather_bits,
-                                   zero.grad_reduce_bits, zero.cross_node_grad_bits, zero.refresh_bits)
-
-
-def comm_spec_from_config(cfg, padded_vocab: int) -> CommSpec:
-    """One optimizer step of the configured run, on the config's ``ShardLayout`` (by its preset's
-    name, or by its factors when they are custom)."""
+def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] = None) -> CommSpec:
+    """One optimizer step of the configured run on ``layout`` (the run's one ShardLayout; default:
+    the validated config's, ``ShardLayout.from_config``)."""
     units = unit_parameter_counts(cfg.model, padded_vocab)
-    layout = ShardLayout.from_config(cfg)
-    sharding = ({"factors": layout.factors.as_tuple()} if layout.preset == CUSTOM else {"preset": layout.preset})
-    return CommSpec(units, layout.tiers, quant=quant_spec_of(cfg.zero),
+    layout = layout or ShardLayout.from_config(cfg)
+    return CommSpec(units, layout, quant=QuantSpec.from_config(cfg.zero),
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
                     compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),
                     cross_node_reduction=cfg.zero.cross_node_reduction,
                     reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
-                    checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else (),
-                    **sharding)
+                    checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
 
 
 def step_work_from_config(cfg, padded_vocab: int):

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
-from megatron.topology.topology import TopologyError
-from megatron.analytic.comm_model import CommSpec, QuantSpec, transformer_block_units
+from megatron.topology.errors import TopologyError
+from megatron.analytic.comm_model import CommSpec, transformer_block_units
+from megatron.ops.quant.spec import QuantSpec
 from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
 from megatron.analytic.hardware import Hardware
 from megatron.analytic.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time
@@ -149,7 +150,7 @@ def quant_spec(name: str, block: int) -> QuantSpec:
 def evaluate(candidate: Candidate, inputs: PlanInputs) -> PlanRow:
     layout = candidate.layout
     units = inputs.unit_numels
-    spec = CommSpec(units, layout.tiers, **({"preset": ZEROPP} if layout.hpz else {"factors": layout.factors.as_tuple()}),
+    spec = CommSpec(units, layout,
                     micro_batches=inputs.micro_batches, compute_bytes=inputs.compute_bytes,
                     fp32_allreduce=inputs.fp32_allreduce, quant=candidate.quant,
                     checkpointed_units=transformer_block_units(len(units)) if candidate.checkpointed else frozenset(),
@@ -207,10 +208,10 @@ def plan_for_config(cfg, padded_vocab: int, world_size: Optional[int] = None) ->
     ``plan_quantize`` that and every choice of QUANT_CHOICES."""
     from megatron.config.errors import ConfigError
     from megatron.topology.layout import SINGLE_PROCESS
-    from megatron.analytic.model_inputs import hardware_from_config, quant_spec_of
+    from megatron.analytic.model_inputs import hardware_from_config
     hardware = hardware_from_config(cfg, world_size)
     inputs = inputs_from_config(cfg, padded_vocab, hardware)
-    quants = {"config": quant_spec_of(cfg.zero)}
+    quants = {"config": QuantSpec.from_config(cfg.zero)}
     if cfg.zero.plan_quantize:
         quants.update({name: quant_spec(name, inputs.quant_block) for name in QUANT_CHOICES})
     plan = search(cfg.topology.layout or SINGLE_PROCESS, inputs, quants=quants,

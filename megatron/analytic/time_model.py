@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
-from megatron.analytic.comm_model import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, REDUCE_SCATTER, TIERS_BY_DEPTH,
-                                           Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
+from megatron.analytic.comm_model import (Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
                                            step_collectives, tier_between)
+from megatron.topology.names import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, TIERS_BY_DEPTH
 from megatron.topology.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
                                            RING_REDUCE_SCATTER, AlgorithmError, collective_algorithm)
 from megatron.analytic.hardware import Device, Hardware, group_shape
@@ -159,7 +159,7 @@ class _GroupSpec:
         return self.factors
 
 
-_LEDGER_ALGORITHM = {ALLGATHER: RING_ALLGATHER, REDUCE_SCATTER: RING_REDUCE_SCATTER, ALLREDUCE: RING_ALLREDUCE,
+_LEDGER_ALGORITHM = {ALL_GATHER: RING_ALLGATHER, REDUCE_SCATTER: RING_REDUCE_SCATTER, ALL_REDUCE: RING_ALLREDUCE,
                      ALL_TO_ALL: PAIRWISE_ALL_TO_ALL}
 
 
@@ -184,7 +184,7 @@ def collectives_bytes_by_tier(spec: CommSpec, collectives: Optional[list] = None
     another library's list, deepspeed_model.py, on the spec's groups) under the ledger's rule."""
     out: dict = {}
     for col in step_collectives(spec) if collectives is None else collectives:
-        for tier, share in _kind_sent_by_tier(spec.layout, spec.resolved_factors(), col.group, col.op).items():
+        for tier, share in _kind_sent_by_tier(spec.layout.tiers, spec.factors, col.group, col.op).items():
             out[tier] = out.get(tier, 0.0) + share * col.nbytes * col.count
     return out
 
@@ -218,7 +218,7 @@ class Transfer:
 
 def transfer_of(col: Collective, spec: CommSpec, hw: Hardware) -> Transfer:
     """One run of ``col`` (of its ``count``)."""
-    fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
+    fp = _kind_footprint(spec.layout.tiers, spec.factors, col.group, col.op, hw.backend)
     if fp.k == 1:
         return Transfer(col.phase, 0.0, 0.0, None)
     return Transfer(col.phase, footprint_time_s(fp, col.nbytes, hw), local_work_s(col, spec, fp.k, hw),
@@ -247,7 +247,7 @@ def quantized_elements(col: Collective, spec: CommSpec, k: int) -> float:
     all k; a reduction hop quantizes its input and dequantizes (and sums) it."""
     bits, block = col.bits, spec.quant.block_size
     elements = col.numel / (bits / 8 + 4 / block)  # the packed bytes back to elements
-    return elements * (1 + 1 / k) / 2 if col.op == ALLGATHER else elements
+    return elements * (1 + 1 / k) / 2 if col.op == ALL_GATHER else elements
 
 
 # -- the step ------------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def step_time(spec: CommSpec, hw: Hardware, work: StepWork, collectives: Optiona
         if overlap:
             line.exposed_transfers(comm("reduce", 0, m))
     line.exposed_transfers(boundary)
-    os_ = spec.resolved_factors()[2]
+    os_ = spec.factors[2]
     line.add(OPTIMIZER, sum(s // os_ for s in padded_unit_numels(spec)) / hw.device.optimizer_elements_per_s)
     flops = 3 * sum(work.unit_flops_per_token) * work.tokens_per_micro_batch * a
     return StepTime(line.exposed, comm_s, flops, inter)
@@ -376,7 +376,7 @@ def _comm_by_slot(spec: CommSpec, hw: Hardware, collectives: Optional[list] = No
         if not seconds:
             continue
         totals[col.phase] = totals.get(col.phase, 0.0) + seconds
-        fp = _kind_footprint(spec.layout, spec.resolved_factors(), col.group, col.op, hw.backend)
+        fp = _kind_footprint(spec.layout.tiers, spec.factors, col.group, col.op, hw.backend)
         if fp.domain_load.get("inter_node", 0.0) > 0:
             inter[col.phase] = inter.get(col.phase, 0.0) + seconds
         if col.phase in BOUNDARY_PHASES or col.phase == "eval_gather" or col.unit is None:
@@ -396,7 +396,7 @@ def _comm_by_slot(spec: CommSpec, hw: Hardware, collectives: Optional[list] = No
 
 def _has_world_gather(spec: CommSpec, col: Collective) -> bool:
     """zeropp's node gathers of a unit follow its world gather in micro-batch 0."""
-    return spec.is_zeropp and col.group == "node"
+    return spec.layout.hpz and col.group == "node"
 
 
 def scaling_efficiency(tflops_by_nodes: Mapping) -> dict:

@@ -5,7 +5,8 @@ Commit protocol (why: a killed job must never leave a half-written step as `late
    fsyncs it; 2. barrier; 3. the ranks' piece lists reach rank 0 (the `gather` callable, or rank 0
    reads each file's list once) and rank 0 writes `index.json` (megatron/checkpointing/index.py),
    fsyncs it; 4. rank 0 writes `meta.json`, fsyncs, renames the folder to `global_stepN` (atomic on
-   POSIX), fsyncs the parent, then replaces `latest` by rename; 5. barrier. A folder without
+   POSIX), then replaces `latest` by rename of a fsynced temporary file; 5. barrier. Every rename
+   fsyncs what it renames first and the parent folder after (`_rename_durably`). A folder without
    `meta.json` or a leftover `.partial` is ignored with a warning. Old steps are pruned only after
    the new one is committed. A step without `index.json` (saved before it existed) still loads.
 
@@ -52,13 +53,24 @@ def rank_file(step_dir: Path, rank: int) -> Path:
 
 def read_rank_file(path: Path, mmap: bool = False) -> dict:
     """torch.load of a rank file; one that is cut short or overwritten is a CheckpointError, not
-    torch's multi-line zip or unpickling error."""
+    torch's multi-line zip or unpickling error. ``weights_only``: a rank file holds only dicts, lists,
+    tensors, strings and numbers, so loading one never runs code a file could smuggle in."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (RuntimeError, EOFError, ValueError, OSError, pickle.UnpicklingError) as err:
-        reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path} cannot be read ({reason}): the checkpoint is damaged; to resume from "
-                              f"an earlier step write its name into {Path(path).parent.parent / 'latest'}") from err
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if str(err).startswith("Weights only load failed"):
+            raise CheckpointError(f"{path} holds objects other than tensors, dicts, lists, strings and numbers: "
+                                  "refused (unpickling them could run code); it was not written by this "
+                                  "trainer's checkpointer") from err
+        raise _damaged(path, err) from err
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise _damaged(path, err) from err
+
+
+def _damaged(path: Path, err: BaseException) -> CheckpointError:
+    reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"{path} cannot be read ({reason}): the checkpoint is damaged; to resume from "
+                           f"an earlier step write its name into {Path(path).parent.parent / 'latest'}")
 
 
 class _ErrorRecordingFile:
@@ -81,9 +93,20 @@ class _ErrorRecordingFile:
 
 
 def _rename_durably(src: Path, dst: Path) -> None:
-    """os.replace, then fsync the folder so the rename survives a power loss."""
+    """fsync ``src`` (a file's data, or a folder's entries), os.replace, then fsync the parent folder.
+    Why both: a rename can reach the disk before the data it names (ext4 delalloc, XFS), so after a
+    power loss the new name could point at an empty file; and the rename itself lives in the parent."""
+    _fsync_path(src)
     os.replace(src, dst)
     _fsync_path(dst.parent)
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it (a file about to be renamed into place)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_rank_state(path: Path, rank_state: dict) -> None:
@@ -174,7 +197,7 @@ class Checkpointer:
             _rename_durably(final, aside)
         _rename_durably(partial, final)
         tmp_pointer = self.save_dir / ".latest.tmp"
-        tmp_pointer.write_text(final.name)
+        write_text_durably(tmp_pointer, final.name)
         _rename_durably(tmp_pointer, self.save_dir / "latest")
         shutil.rmtree(aside, ignore_errors=True)
 

@@ -11,9 +11,10 @@ Who writes it: rank 0, after every rank file is written and before `meta.json` c
 (megatron/checkpointing/checkpointer.py). Rank 0 learns the piece lists by an all-gather of each
 rank's list through the engine (`Engine.gather_objects`: a few KB per rank, charged to the
 ledger phase `checkpoint`), so nothing is reopened; a caller that gives no gather function (tests,
-tools) makes rank 0 read each file's piece list once instead (`scan_rank_file`, torch.load with
+tools) makes rank 0 read each file's piece list once instead (`scan_step`, torch.load with
 mmap=True: the pickle, not the tensor bytes). A checkpoint written before index.json existed is
-indexed the same way by the reader, on load.
+indexed the same way by the reader, on load: by rank 0 alone, which broadcasts the index to the
+other ranks (megatron/checkpointing/reader.py).
 """
 from __future__ import annotations
 
@@ -107,13 +108,18 @@ def open_rank_file(path: Path, step_dir: Path) -> dict:
     return state
 
 
-def scan_step(step_dir: Path, world_size: int, on_open: Callable[[int], None] = lambda rank: None) -> dict:
+def scan_step(step_dir: Path, world_size: int, on_open: Callable[[int], None] = lambda rank: None,
+              opener: Optional[Callable[[int], dict]] = None) -> dict:
     """Build the index of a step by reading every rank file's piece list once (old checkpoints,
-    or a save without a gather function)."""
+    or a save without a gather function). ``opener(rank)``: how to open a rank file (the reader's,
+    which keeps it mapped for the data reads that follow); by default mapped and dropped."""
     entries, first = [], None
     for rank in range(world_size):
         on_open(rank)
-        engine = open_rank_file(rank_file(step_dir, rank), step_dir)["engine"]
+        if opener is not None:
+            engine = opener(rank)["engine"]
+        else:
+            engine = open_rank_file(rank_file(step_dir, rank), step_dir)["engine"]
         entries.append(entry_of_engine_state(engine))
         if first is None:
             first = {k: v for k, v in engine.items() if k not in ("pieces", PER_RANK)}

@@ -6,20 +6,26 @@ hi)` returns elements [lo, hi) of a parameter's flattened fp32 master and moment
 memory-mapped, each once — only the rank files whose pieces overlap that range, and copying only the
 overlapping elements. A range some element of which no file holds is refused ("incomplete").
 
-What it did is kept for tests and the resume log: ``opened`` (rank files opened for their data, in
-order), ``scanned`` (files opened only to build a missing index), ``bytes_copied`` (tensor bytes
-copied out of the files).
+Without index.json and with ``share`` (a broadcast from rank 0, ``Engine.broadcast_object``), only
+rank 0 reads the piece lists and every rank gets them from it: N file opens for the index instead of
+N per rank (N x N in all: 147k at 384 ranks). Rank 0 keeps the files it scanned mapped, so it opens
+each file once in all; every other rank opens only the files its reads need.
+
+What it did is kept for tests and the resume log: ``opened`` (rank files whose data was read, in
+order), ``scanned`` (files opened to build a missing index), ``opens`` (rank -> how many times this
+reader opened that file: one each), ``bytes_copied`` (tensor bytes copied out of the files).
 """
 from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError, load_meta
+from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank_file
 from megatron.checkpointing.index import INDEX, open_rank_file, read_index, scan_step
 from megatron.checkpointing.param_slices import STATES
 from megatron.logging.metrics import log_print
@@ -49,24 +55,27 @@ class _Pieces:
                 yield offset, length, rank, position
 
 
+# share(obj) -> rank 0's obj on every rank (collective; other ranks pass None): Engine.broadcast_object
+Share = Callable[[object], object]
+
+
 class CheckpointReader:
-    def __init__(self, step_dir: str | Path, rank: int = 0):
+    def __init__(self, step_dir: str | Path, rank: int = 0, share: Optional[Share] = None):
+        """``rank``: this process's rank. ``share``: a broadcast from rank 0, used only when the step
+        has no index.json (every rank must then build its reader together); without it each reader
+        scans every rank file itself (one process, tools)."""
         self.step_dir = Path(step_dir)
-        self.rank = rank  # only for the notice (printed by rank 0)
+        self.rank = rank
         self.opened: list[int] = []
         self.scanned: list[int] = []
+        self.opens: Counter[int] = Counter()
         self.bytes_copied = 0
         self._handles: dict[int, dict] = {}
         if (self.step_dir / INDEX).is_file():
             index = read_index(self.step_dir)
             self.indexed = True
         else:
-            world = int(load_meta(self.step_dir)["world_size"])
-            log_print(f"{self.step_dir} has no {INDEX} (saved before it existed): reading the piece lists of "
-                      f"all {world} rank files to index it", rank)
-            index = scan_step(self.step_dir, world, on_open=self.scanned.append)
-            if index is None:
-                raise CheckpointError(f"{self.step_dir} holds no engine state in every rank file: it is incomplete")
+            index = self._index_by_scanning(share)
             self.indexed = False
         self.index = index
         self.step = int(index["step"])
@@ -85,6 +94,29 @@ class CheckpointReader:
                     raise CheckpointError(f"{self.step_dir}: rank file {rank_} holds {name}, which has no shape")
                 table[name].append((int(offset), int(length), rank_, position))
         self._pieces = {name: _Pieces(items) for name, items in table.items()}
+
+    def _index_by_scanning(self, share: Optional[Share]) -> dict:
+        """The index of a step without index.json: rank 0 (or, without ``share``, every reader)
+        reads each rank file's piece list once; with ``share`` the others receive it."""
+        index, failure = None, None
+        if share is None or self.rank == 0:
+            world = int(load_meta(self.step_dir)["world_size"])
+            who = "rank 0 reads" if share is not None else "reading"
+            log_print(f"{self.step_dir} has no {INDEX} (saved before it existed): {who} the piece lists of "
+                      f"all {world} rank files to index it", self.rank)
+            try:
+                index = scan_step(self.step_dir, world, on_open=self.scanned.append, opener=self._load)
+            except CheckpointError as err:
+                if share is None:
+                    raise
+                failure = str(err)
+        if share is not None:  # the others wait for rank 0: a scan that failed fails every rank alike
+            index, failure = share((index, failure))
+        if failure:
+            raise CheckpointError(failure)
+        if index is None:
+            raise CheckpointError(f"{self.step_dir} holds no engine state in every rank file: it is incomplete")
+        return index
 
     # -- what the index says ----------------------------------------------------------------------
     def numel(self, name: str) -> int:
@@ -145,6 +177,12 @@ class CheckpointReader:
                                   f"[{pos}:{hi}]; a rank file or piece is missing")
         return out
 
+    def rank_state(self, rank: int) -> dict:
+        """The whole (memory-mapped) state of rank file ``rank``, e.g. its ``rng``; opened once."""
+        if not 0 <= rank < self.world_size:
+            raise CheckpointError(f"{self.step_dir} has no rank file {rank} (world size {self.world_size})")
+        return self._open(rank)
+
     def rank_entry(self, rank: int, key: str):
         """The per-rank engine entry ``key`` of rank file ``rank`` (None when it has none, without
         opening the file)."""
@@ -158,12 +196,20 @@ class CheckpointReader:
 
     # -- files --------------------------------------------------------------------------------------
     def _open(self, rank: int) -> dict:
+        """Rank file ``rank`` for its data: mapped once per reader (a file the scan mapped is reused)."""
         state = self._handles.get(rank)
         if state is None:
-            name = self._files[rank].get("file")
-            state = open_rank_file(self.step_dir / name, self.step_dir)
-            self._handles[rank] = state
+            state = self._load(rank, self._files[rank].get("file"))
+        if rank not in self.opened:
             self.opened.append(rank)
+        return state
+
+    def _load(self, rank: int, name: Optional[str] = None) -> dict:
+        """Map rank file ``rank`` (every open of a rank file by this reader goes through here)."""
+        path = self.step_dir / name if name else rank_file(self.step_dir, rank)
+        state = open_rank_file(path, self.step_dir)
+        self.opens[rank] += 1
+        self._handles[rank] = state
         return state
 
     def _piece(self, rank: int, position: int, name: str, offset: int, length: int) -> dict:

@@ -15,7 +15,7 @@ from megatron.config.routing import GROUPS, Routed, yaml_key_of
 from megatron.config.schema import NeoXConfig
 from megatron.topology.allocation import NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch
 from megatron.topology.layout import SINGLE_PROCESS, ZEROPP, ShardLayout
-from megatron.topology.topology import TopologyError
+from megatron.topology.errors import TopologyError
 
 CHAR_LEVEL_VOCAB = 512
 PRESET_NODE_SHAPE = {"frontier": [4, 2], "dgx": [8]}  # ranks per node, slowest tier first

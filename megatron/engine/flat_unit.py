@@ -10,7 +10,8 @@ counters (the FSDP1 mechanism).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from enum import Enum
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -20,6 +21,13 @@ from megatron.topology.layout import ShardLayout, chunk_range
 
 class EngineError(ValueError):
     """A model or call the ZeRO-topo engine cannot handle; one line says what to change."""
+
+
+class UnitState(Enum):
+    """Where a unit's full weights are (megatron/engine/gathering.py moves it between these)."""
+    RELEASED = "released"    # ``flat`` has no storage: the rank holds its weight chunk only
+    GATHERING = "gathering"  # a gather into ``flat`` was issued and not yet waited for (``inflight``)
+    GATHERED = "gathered"    # ``flat`` holds the whole unit (always, for an unsharded unit)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,57 @@ def build_slots(unit: nn.Module, names_by_id: dict[int, str]) -> list[ParamSlot]
         slots.append(ParamSlot(names_by_id[id(param)], owner, attr, offset, param.numel(), param.shape, param.ndim >= 2))
         offset += param.numel()
     return slots
+
+
+# materialize(unit_index, unit, keep): give the unit's parameters storage and their initial values (on
+# any device; the FlatUnit copies what this rank keeps to the engine's device, then drops them).
+# ``keep``: the [lo, hi) ranges of the unit's flat buffer this rank keeps (weight chunk, optimizer
+# slice); a materializer that reads weights from files may fill only those and return the (sum, sum
+# of |x|) checksum the ranks compare instead of the whole unit's (whose other elements then differ
+# from rank to rank); else None.
+Materialize = Callable[[int, nn.Module, list[tuple[int, int]]], Optional[tuple[float, float]]]
+
+
+def shard_units(model: nn.Module, units: list[nn.Module], layout: ShardLayout, rank: int,
+                quant_block: Optional[int], dtype: torch.dtype, device: torch.device,
+                materialize: Optional[Materialize] = None) -> list["FlatUnit"]:
+    """The model's units as FlatUnits, built one at a time: ``materialize(i, unit, keep)`` (when
+    given) makes unit i's parameters real right before its FlatUnit copies the rank's slices
+    (``keep``), and the full parameters are dropped right after, so the build holds one full unit
+    plus the shards. Every parameter must be in exactly one unit."""
+    names_by_id = {id(p): name for name, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    slot_lists = []
+    for i, unit in enumerate(units):
+        slots = build_slots(unit, names_by_id)
+        if not slots:
+            raise EngineError(f"unit {i} ({type(unit).__name__}) has no parameters; pass only units that do")
+        for slot in slots:
+            pid = id(getattr(slot.module, slot.attr))
+            if pid in owner:
+                raise EngineError(f"parameter {slot.name} belongs to units {owner[pid]} and {i}; "
+                                  "parameters shared across units (tied weights) are not supported")
+            owner[pid] = i
+        slot_lists.append(slots)
+    missing = [name for name, p in model.named_parameters() if id(p) not in owner]
+    if missing:
+        raise EngineError(f"parameters outside every unit: {', '.join(missing[:5])}; every parameter must be in a unit")
+    if device.type == "meta":
+        raise EngineError("the model is on the meta device: pass the engine's device and a materialize callback")
+    if materialize is None and any(p.is_meta for p in model.parameters()):
+        raise EngineError("the model has meta parameters but no materialize callback makes them real")
+    built = []
+    for i, (unit, slots) in enumerate(zip(units, slot_lists)):
+        agreed = None
+        if materialize is not None:
+            size = layout.padded_size(sum(s.numel for s in slots), quant_block)
+            factors, chunks = layout.factors, layout.chunks(rank)
+            keep = [chunk_range(size, factors.w, chunks.weight), chunk_range(size, factors.os, chunks.opt)]
+            agreed = materialize(i, unit, keep)  # the ranges FlatUnit cuts (its weight_range and opt_range)
+        built.append(FlatUnit(i, unit, slots, layout, rank, quant_block, dtype, device))
+        if agreed is not None:  # only `keep` holds real values: compare what the materializer vouches for
+            built[-1].init_checksum = agreed
+    return built
 
 
 class FlatUnit:
@@ -97,11 +156,10 @@ class FlatUnit:
         del full
         for slot in slots:  # the module attributes become plain tensors (views set by set_views)
             del slot.module._parameters[slot.attr]
-        # The per-unit state machine of the hooks (see engine.py).
-        self.gathered = not self.shardable
-        self.recomputes = False                       # autograd re-runs this unit (activation checkpointing)
+        self.state = UnitState.GATHERED if not self.shardable else UnitState.RELEASED
+        self.inflight = None          # the issued gather while GATHERING (schedules.InflightGather)
+        self.recomputes = False       # learned in backward: autograd re-runs this unit (activation checkpointing)
         self.pending_bwd_charges: Optional[dict] = None  # a backward gather not yet known to be a recompute
-        self.inflight = None                          # an issued gather not yet waited for (gathers.InflightGather)
 
     # -- the full buffer ------------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
@@ -114,7 +172,11 @@ class FlatUnit:
 
     def release(self) -> None:
         self.flat.untyped_storage().resize_(0)
-        self.gathered = False
+        self.state = UnitState.RELEASED
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
 
     def set_views(self) -> None:
         """Point every module attribute at its slice of ``flat`` (autograd-tracked when grad is on)."""
@@ -167,3 +229,14 @@ def _decay_ranges(slots: list[ParamSlot], opt_range: tuple[int, int]) -> list[tu
             else:
                 runs.append((lo - start, hi - start))
     return runs
+
+
+def tensors_within(value) -> list[torch.Tensor]:
+    """Every tensor in a tensor, or nested lists/tuples/dicts of them (unit outputs, unit attributes)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_within(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_within(v)]
+    return []

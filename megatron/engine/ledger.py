@@ -7,13 +7,8 @@ exact up to 2**53 bytes per entry.
 from __future__ import annotations
 
 from collections import defaultdict
-from megatron.topology.topology import TIER_NAMES
+from megatron.topology.names import PHASES, TIERS
 
-# The phases of docs/engine.md, plus "checkpoint" for collectives made outside the step (full state
-# gathers for export/tests, weight rebuilds after a load): kept apart so a step's table stays exact.
-PHASES = ("fwd_gather", "bwd_gather", "recompute_gather", "eval_gather", "grad_reduce",
-          "cross_grad_reduce", "replica_allreduce", "refresh", "control", "checkpoint")
-TIERS = TIER_NAMES
 
 
 class LedgerError(ValueError):

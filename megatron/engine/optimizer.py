@@ -81,7 +81,22 @@ def fused_adamw_update(slices: list[tuple], *, lr: float, step: int, hyper: Adam
                             maximize=False)
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> torch.Tensor:
-    """torch's ``clip_grad_norm_`` factor, computed in fp32 as torch does: min(max/(norm+1e-6), 1)."""
-    norm = torch.tensor(total_norm, dtype=torch.float32)
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+class ShardedAdamW:
+    """AdamW over every unit's fp32 1/os slice (``master``, ``exp_avg``, ``exp_avg_sq``): the fused
+    kernel once per step over all slices, or the for-loop per unit. Holds AdamW's step count t."""
+
+    def __init__(self, opt_cfg, step_count: int = 0):
+        self.hyper = AdamWHyper.from_config(opt_cfg)
+        self.fused = bool(opt_cfg.fused)
+        self.step_count = step_count
+
+    def step(self, units: list, grads: list[torch.Tensor], lr: float) -> None:
+        """One step of every unit's slice in place with ``grads`` (same order)."""
+        self.step_count += 1
+        if self.fused:
+            fused_adamw_update([(u.master, g, u.exp_avg, u.exp_avg_sq, u.decay_ranges) for u, g in zip(units, grads)],
+                               lr=lr, step=self.step_count, hyper=self.hyper)
+            return
+        for unit, grad in zip(units, grads):
+            adamw_update(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.decay_ranges,
+                         lr=lr, step=self.step_count, hyper=self.hyper)

@@ -66,9 +66,13 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
+# The compute dtype of each config precision (``precision.precision``).
+COMPUTE_DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
+
+
 def autocast_dtype_of(precision: str) -> Optional[torch.dtype]:
     """The autocast dtype of a config precision; None for fp32 (no autocast)."""
-    return {"bfloat16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return None if precision == "fp32" else COMPUTE_DTYPES.get(precision)
 
 
 def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:

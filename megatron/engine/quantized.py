@@ -1,7 +1,6 @@
 """Quantized collectives of the engine (docs/engine.md, "Quantized collectives").
 
-- ``QuantSettings``: the effective bits of every quantizable phase, resolved once from the config
-  (DeepSpeed's booleans give the defaults, our per-phase ``*_bits`` override them).
+- The bits of every quantizable phase come from the run's ``megatron.ops.quant.spec.QuantSpec``.
 - Messages: a chunk of n elements travels as ONE uint8 buffer, its codes (n bytes at 8 bits, n/2 at
   4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent.
 - ``QuantizedCollectives``: the weight gather (quantize own chunk, allgather messages, every member
@@ -11,78 +10,17 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron.ops.quant import DEFAULT_BLOCK, QuantizationError, codes_numel, get_quantizer
-from megatron.ops.quant.select import IMPLS
+from megatron.ops.quant import QuantizationError, codes_numel, get_quantizer
+from megatron.ops.quant.spec import QuantSpec
 from megatron.topology.groups import RankGroup
 from megatron.engine.comm import Communicator, Pending
 from megatron.engine.flat_unit import EngineError
 from megatron.engine.grad_reduce import Chain, run_to_end
 
-WEIGHT_BITS = (0, 8)      # weights and refresh: INT8 or not quantized
-GRAD_BITS = (0, 4, 8)     # gradient hops may also use packed INT4
-
-
-@dataclass(frozen=True)
-class QuantSettings:
-    """Effective bits per phase (0 = compute dtype), block size, error feedback and kernels."""
-    weight_bits: int = 0      # fwd / bwd / recompute / eval gathers
-    grad_bits: int = 0        # micro-step reduction hops (weight, stride; zeropp: node, rail)
-    cross_bits: int = 0       # step-boundary cross-group hop
-    refresh_bits: int = 0     # refresh's cross-group allgather
-    block: int = DEFAULT_BLOCK
-    error_feedback: bool = False
-    impl: str = "auto"
-
-    def __post_init__(self) -> None:
-        for key, value, allowed in (("weight_gather_bits", self.weight_bits, WEIGHT_BITS),
-                                    ("grad_reduce_bits", self.grad_bits, GRAD_BITS),
-                                    ("cross_node_grad_bits", self.cross_bits, GRAD_BITS),
-                                    ("refresh_bits", self.refresh_bits, WEIGHT_BITS)):
-            if value not in allowed:
-                raise EngineError(f"zero_optimization.{key} = {value!r} is not supported; use one of "
-                                  f"{', '.join(map(str, allowed))}")
-        if not isinstance(self.block, int) or self.block < 1:
-            raise EngineError("zero_optimization.quantization_block_size must be a positive integer, "
-                              f"got {self.block!r}")
-        if 4 in (self.grad_bits, self.cross_bits) and self.block % 2:
-            raise EngineError("INT4 packs two codes per byte: zero_optimization.quantization_block_size must be "
-                              f"even, got {self.block}")
-        if self.impl not in IMPLS:
-            raise EngineError(f"zero_optimization.quantization_impl must be one of {', '.join(IMPLS)}, "
-                              f"got {self.impl!r}")
-
-    @classmethod
-    def from_config(cls, zero) -> "QuantSettings":
-        """The one place the effective bits are derived from a ``ZeroConfig`` (docs/engine.md)."""
-        weights, grads = bool(zero.zero_quantized_weights), bool(zero.zero_quantized_gradients)
-        refresh = bool(zero.zero_quantized_refresh)
-
-        def pick(value: Optional[int], default: int) -> int:
-            return default if value is None else int(value)
-
-        grad_bits = pick(zero.grad_reduce_bits, 4 if grads else 0)
-        return cls(weight_bits=pick(zero.weight_gather_bits, 8 if weights else 0), grad_bits=grad_bits,
-                   cross_bits=pick(zero.cross_node_grad_bits, grad_bits),
-                   refresh_bits=pick(zero.refresh_bits, 8 if weights or refresh else 0),
-                   block=int(zero.quantization_block_size),
-                   error_feedback=bool(zero.quantization_error_feedback),
-                   impl=zero.quantization_impl)
-
-    @property
-    def enabled(self) -> bool:
-        """Any phase quantized: unit buffers are then padded to a multiple of N x block."""
-        return any((self.weight_bits, self.grad_bits, self.cross_bits, self.refresh_bits))
-
-    def summary(self) -> str:
-        """One line for the start-up log."""
-        return (f"weights {self.weight_bits or '-'} / grads {self.grad_bits or '-'} / "
-                f"cross {self.cross_bits or '-'} / refresh {self.refresh_bits or '-'} bits, block {self.block}, "
-                f"error feedback {'on' if self.error_feedback else 'off'}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -126,8 +64,8 @@ def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits:
 class QuantizedCollectives:
     """Quantized weight gathers and gradient reductions through ``comm`` (so the ledger sees them)."""
 
-    def __init__(self, comm: Communicator, settings: QuantSettings, device: torch.device):
-        self.comm, self.settings, self.block = comm, settings, settings.block
+    def __init__(self, comm: Communicator, settings: QuantSpec, device: torch.device):
+        self.comm, self.settings, self.block = comm, settings, settings.block_size
         self.quantizer = get_quantizer(settings.impl, device)
         # A reduction input held NaN/inf (fp16 overflow): it was sent as zeros so every rank keeps
         # going; the engine turns this into an infinite norm and skips the step.

@@ -1,12 +1,12 @@
-"""The engine's states in and out: full parameters by name, this rank's parameter pieces for
+"""The ZeRO-topo engine's states in and out (``engine``: a megatron.engine.zero_topo.ZeroTopoEngine): full parameters by name, this rank's parameter pieces for
 checkpoints (megatron.checkpointing.param_slices), and the bytes of model states held per rank.
 
 Gathers made here are charged to the ledger phase ``checkpoint`` (outside the per-step model).
-Loading is local: ``load_from_reader`` (the training path) reads, through a
-megatron.checkpointing.reader.CheckpointReader, only this rank's weight chunk and optimizer slice
-out of the rank files whose pieces overlap them, so a checkpoint written with any (w, g, os) or world
-size loads without any rank building full tensors; ``load_full_state`` / ``load_full_state_dict``
-cut the same slices from full tensors (tools, tests, HF weights).
+Loading: ``load_from_reader`` (the training path) reads, through a
+megatron.checkpointing.reader.CheckpointReader, only this rank's optimizer slice out of the rank
+files whose pieces overlap it and rebuilds the weight chunk by one refresh, so a checkpoint written
+with any (w, g, os) or world size loads without any rank building full tensors;
+``load_full_state`` / ``load_full_state_dict`` cut the same slices from full tensors (tools, tests).
 
 Error-feedback residuals (quantized reductions) are per-rank state that no layout change can map:
 each rank saves its own under the extra entry ``error_feedback`` with the layout they belong to, and
@@ -15,46 +15,28 @@ otherwise they restart from zero with a one-line notice.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from megatron.checkpointing.param_slices import PER_RANK, check_shapes, make_engine_state
 from megatron.logging.metrics import log_print
-from megatron.engine.flat_unit import EngineError, FlatUnit
-
-if TYPE_CHECKING:
-    from megatron.engine.zero_topo import ZeroTopoEngine
+from megatron.topology.names import MEMORY_CATEGORIES
+from megatron.engine.flat_unit import EngineError, FlatUnit, tensors_within
 
 
 @torch.no_grad()
-def gather_full(engine: "ZeroTopoEngine", unit: FlatUnit, tensor: torch.Tensor) -> torch.Tensor:
-    """An fp32 1/os slice of ``unit`` (master or moment) assembled into all S elements on every rank."""
-    g = engine.groups
-    return engine._gather_up(tensor.float(), [g.cross, g.stride, g.weight], "checkpoint")
-
-
-def full_state_dict(engine: "ZeroTopoEngine") -> dict[str, torch.Tensor]:
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in engine.units:
-        full = gather_full(engine, unit, unit.master)
+        full = engine.collectives.gather_full(unit.master)
         out.update({name: view.clone() for name, view in unit.param_views(full).items()})
     for name, buf in engine.model.state_dict().items():  # persistent buffers (parameters are ours)
         out.setdefault(name, buf.detach().float().clone())
     return out
 
 
-def full_optimizer_state(engine: "ZeroTopoEngine") -> dict:
-    """AdamW moments by parameter name, gathered like ``full_state_dict`` (collective)."""
-    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-    for unit in engine.units:
-        for key in moments:
-            full = gather_full(engine, unit, getattr(unit, key))
-            moments[key].update({n: v.clone() for n, v in unit.param_views(full).items()})
-    return {"step": engine.step_count, **moments}
-
-
-def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
+def checkpoint_state(engine) -> dict:
     """This rank's fp32 master and moments as parameter pieces (megatron.checkpointing.param_slices);
     no collective. Replicas hold identical slices, so only the first replica writes pieces (hsdp and
     DDP checkpoints are then no larger than the model states)."""
@@ -81,7 +63,7 @@ def checkpoint_state(engine: "ZeroTopoEngine") -> dict:
     return make_engine_state(pieces, shapes, engine.step_count, extra)
 
 
-def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
+def load_full_state(engine, full: dict) -> None:
     """Load what `param_slices.assemble` rebuilt from a checkpoint of any layout."""
     check_shapes(full["shapes"], {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
                  "being loaded")
@@ -94,44 +76,29 @@ def load_full_state(engine: "ZeroTopoEngine", full: dict) -> None:
 
 
 @torch.no_grad()
-def load_from_reader(engine: "ZeroTopoEngine", reader, weights_only: bool = False,
-                     weight_chunk: str = "refresh") -> None:
+def load_from_reader(engine, reader, weights_only: bool = False) -> None:
     """This rank's slices from a checkpoint reader, reading only the pieces that overlap them.
 
     Per unit and slot: master and both moments of the part inside ``opt_range`` fill
-    ``master``/``exp_avg``/``exp_avg_sq``; padding stays zero. The weight chunk (``shard``):
-    ``weight_chunk="refresh"`` (the default, the training path) rebuilds it from the loaded master
-    slices by the engine's own refresh (cross, stride all-gathers, charged to ``checkpoint``),
-    reading only the 1/os slices from the files: with w = 2 at scale the weight chunk is half the
-    model, 41 GB of fp32 reads per rank at 20B against 0.2 GB (docs/checkpoints.md).
-    ``"files"`` reads the master values of the part inside ``weight_range`` instead (with the
-    quantized refresh's roundtrip, as ``load_full_state_dict``): the same values, no collective.
+    ``master``/``exp_avg``/``exp_avg_sq``; padding stays zero. The weight chunk (``shard``) is
+    rebuilt from the loaded master slices by the engine's own refresh (cross, stride all-gathers,
+    charged to ``checkpoint``), so only the 1/os slices are read from the files: reading the weight
+    chunk instead would be half the model per rank with w = 2, 41 GB of fp32 reads at 20B against
+    0.2 GB (docs/checkpoints.md).
     ``weights_only`` (finetune): moments zero and step 0. Loss scale, step and error-feedback
     residuals follow ``load_full_state``'s rules; the residuals come from this rank's own file only.
     """
-    if weight_chunk not in ("files", "refresh"):
-        raise EngineError(f"weight_chunk must be 'files' or 'refresh', not {weight_chunk!r}")
     check_shapes(reader.shapes, {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
                  str(reader.step_dir))
     keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
     for unit in engine.units:
-        w_lo, w_hi = unit.weight_range
         o_lo, o_hi = unit.opt_range
-        weights = {"master": torch.zeros(w_hi - w_lo if weight_chunk == "files" else 0, dtype=torch.float32)}
         opt = {key: torch.zeros(o_hi - o_lo, dtype=torch.float32) for key in ("master", "exp_avg", "exp_avg_sq")}
         for slot in unit.slots:
-            if weight_chunk == "files":
-                _read_overlap(reader, slot, w_lo, w_hi, weights, ("master",))
             _read_overlap(reader, slot, o_lo, o_hi, opt, keys)
         for key, values in opt.items():
             getattr(unit, key).copy_(values.to(unit.master.device))
-        if weight_chunk == "refresh":
-            engine._refresh(unit, "checkpoint")  # what every optimizer step ends with
-        else:
-            chunk = weights["master"].to(unit.master.device)
-            if engine.quant.refresh_bits and engine.groups.cross.size > 1:
-                chunk = engine.qcomm.roundtrip(chunk, engine.quant.refresh_bits, engine.dtype)  # see load_full_state_dict
-            unit.shard.copy_(chunk)
+        engine.collectives.refresh(unit, "checkpoint")  # what every optimizer step ends with
         _reset_transient(unit)
         for residual in unit.residuals.values():
             residual.zero_()
@@ -152,7 +119,7 @@ def _read_overlap(reader, slot, lo: int, hi: int, out: dict[str, torch.Tensor], 
                     out={key: out[key][a - lo: b - lo] for key in keys})
 
 
-def _residual_entry(engine: "ZeroTopoEngine", reader):
+def _residual_entry(engine, reader):
     """What ``restore_residuals`` decides from, read from the index, and this rank's own file only
     when the residuals can be restored (every rank file carries them, same world size, this run
     keeps residuals). Every rank gets an entry of the same kind, so all decide alike."""
@@ -162,18 +129,20 @@ def _residual_entry(engine: "ZeroTopoEngine", reader):
     if not any(unit.residuals for unit in engine.units):
         return [None] * len(carriers)     # "ignored: error feedback is off" (nothing opened)
     world, rank = engine.groups.world_size, engine.groups.rank
-    if reader.world_size != world or len(carriers) != world:
+    if reader.world_size != world:        # "the layout changed", known from the index alone
+        return [{"layout": {"world_size": reader.world_size}}] * world
+    if len(carriers) != world:
         return []                         # "does not carry every rank's residuals"
     entry = [None] * world
     entry[rank] = reader.rank_entry(rank, PER_RANK)
     return entry
 
 
-def residual_layout(engine: "ZeroTopoEngine") -> dict:
+def residual_layout(engine) -> dict:
     """What the residuals' shapes and meaning depend on: equal layouts -> restore exactly."""
     q = engine.quant
     return {"world_size": engine.groups.world_size, "factors": list(engine.groups.factors.as_tuple()),
-            "preset": engine.preset, "block": q.block, "grad_bits": q.grad_bits, "cross_bits": q.cross_bits,
+            "preset": engine.preset, "block": q.block_size, "grad_bits": q.grad_reduce_bits, "cross_bits": q.cross_node_grad_bits,
             "unit_sizes": [u.size for u in engine.units]}
 
 
@@ -186,7 +155,7 @@ def _saved_layout(saved: Optional[dict]) -> Optional[dict]:
 
 
 @torch.no_grad()
-def restore_residuals(engine: "ZeroTopoEngine", entry) -> bool:
+def restore_residuals(engine, entry) -> bool:
     """Copy this rank's saved residuals back when the layout is unchanged; else leave them zero.
 
     ``entry`` is a list indexed by rank (every rank's ``error_feedback``) or one rank's dict (usable
@@ -226,7 +195,7 @@ def restore_residuals(engine: "ZeroTopoEngine", entry) -> bool:
 
 
 @torch.no_grad()
-def load_full_state_dict(engine: "ZeroTopoEngine", params: dict[str, torch.Tensor],
+def load_full_state_dict(engine, params: dict[str, torch.Tensor],
                          optimizer: Optional[dict] = None) -> None:
     """Every rank cuts its slices from full tensors by name (local; any previous layout).
 
@@ -274,12 +243,12 @@ def _reset_transient(unit: FlatUnit) -> None:
 # Memory of model states
 # ---------------------------------------------------------------------------------------------------
 
-CATEGORY_OF_ATTR = {"flat": "weights", "shard": "weights", "secondary": "secondary", "grad_accum": "grad_accum",
+CATEGORY_OF_ATTR = {"flat": "weights", "shard": "weights", "secondary": "secondary", "grad_accum": "grad_accumulator",
                     "master": "master", "exp_avg": "moments", "exp_avg_sq": "moments", "residuals": "error_feedback"}
-CATEGORIES = ("weights", "secondary", "grad_accum", "master", "moments")  # + error_feedback when on
+CATEGORIES = MEMORY_CATEGORIES[:-1]  # + error_feedback when on
 
 
-def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
+def model_state_bytes(engine) -> dict[str, int]:
     """Bytes of every tensor the engine holds, by category, each storage counted once.
 
     Walks the attributes of the engine's units (tensors, and tensors in lists/dicts); a tensor whose
@@ -305,14 +274,3 @@ def model_state_bytes(engine: "ZeroTopoEngine") -> dict[str, int]:
             if attr == "flat" and value.grad is not None:
                 add("other", value.grad)
     return totals
-
-
-def tensors_within(value) -> list[torch.Tensor]:
-    """Every tensor in a tensor, or nested lists/tuples/dicts of them (unit outputs, unit attributes)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_within(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_within(v)]
-    return []

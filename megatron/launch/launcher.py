@@ -3,8 +3,9 @@
 - local: this machine; one process per rank of the configured layout (1 without one), with the
   torchrun-style environment RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
   MASTER_PORT, plus NEOX_TOPO_SIMULATED=1 for a simulated layout and NEOX_TOPO_EXIT_WITH_PARENT=<this
-  pid> (ranks exit if deepy dies: megatron/launch/rank_guard.py). One command, one exit code: when a rank
-  fails, the others are stopped and the root cause's code is returned. Every rank's output passes
+  pid> (ranks exit if deepy dies: megatron/launch/rank_guard.py), started and stopped by
+  megatron/launch/spawner.py. One command, one exit code: when a rank fails, the others are stopped and
+  the root cause's code is returned. Every rank's output passes
   through here line by line (megatron/launch/rank_output.py: to the console, and in full to a log file per
   rank); a failure ends with the first failed rank's error, once, and one line per other rank
   (megatron/launch/failure_report.py).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -35,6 +35,7 @@ from megatron.launch.failure_report import RankEnd, headline, how_it_ended, root
 from megatron.launch.rank_guard import EXIT_WITH_PARENT
 from megatron.launch.rank_output import RankOutput
 from megatron.launch.exit_codes import STOP_CODES
+from megatron.launch.spawner import PIPE, RankCommand, RankExit, RankProcesses, exit_code_of
 
 DEFAULT_MASTER_PORT = 29500
 # Frontier settings from OLCF's documentation; applied only where the environment has none.
@@ -105,73 +106,6 @@ def rank_log_folder(log_dir: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=name + "_"))
 
 
-@dataclass(frozen=True)
-class RankExit:
-    rank: int
-    returncode: int
-    at: float  # time.monotonic() when it was reaped
-
-
-class RankExits:
-    """One thread per rank blocked in wait(), so exits arrive in the order they happen, to the
-    millisecond: a poll loop visiting the ranks in order would name rank 0 when ranks 1 and 0 end
-    in the same tick, and a killed rank's peers end within milliseconds of it."""
-
-    def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self.ended: dict[int, RankExit] = {}
-
-    def add(self, rank: int, proc: subprocess.Popen) -> None:
-        threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
-
-    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        self._queue.put(RankExit(rank, code, time.monotonic()))
-
-    def next(self, timeout: Optional[float]) -> Optional[RankExit]:
-        """The next exit, or None after `timeout` seconds (interruptible: signals reach deepy meanwhile)."""
-        try:
-            ended = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        self.ended[ended.rank] = ended
-        return ended
-
-    def wait_all(self, world: int, timeout_s: float = 30.0) -> dict[int, RankExit]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.ended) < world and time.monotonic() < deadline:
-            self.next(timeout=max(0.0, deadline - time.monotonic()))
-        return self.ended
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> set[int]:
-    """SIGTERM each still-running rank's process group (its own session), SIGKILL after the grace
-    time; returns the ranks it signalled."""
-    alive = {rank: p for rank, p in enumerate(procs) if p.poll() is None}
-    for p in alive.values():
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in alive.values():
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-    return set(alive)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the rank was started with start_new_session: its group id is its pid
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def exit_code_of(returncode: int) -> int:
-    """A shell-style exit code (128 + signal number for a rank killed by a signal)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 ROOT_CAUSE_LINES = 40  # of the failed rank's output the console had not seen (its traceback)
 
 
@@ -191,68 +125,61 @@ def run_local(cfg: NeoXConfig, command: Sequence[str], *, env: Optional[Mapping[
     folder = log_folder or rank_log_folder(cfg.logging.log_dir)
     folder.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
     outputs: dict[int, RankOutput] = {}
-    exits = RankExits()
-    forwarded = _forward_stop_signals(procs)
-    try:
-        for rank in range(world):
-            # Started from this thread, which outlives them: the ranks' parent-death signal is tied to it.
-            proc = subprocess.Popen(list(command), env=local_rank_env(base, rank, world, addr, port, simulated,
-                                                                            os.getpid()),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            procs.append(proc)
-            exits.add(rank, proc)
-            live = rank == 0 or rank_output == "all"
-            outputs[rank] = RankOutput(rank, proc, console, errors, lock, live=live,
-                                       log_path=folder / f"rank{rank}.log")
-        failed = _wait_first_failure(exits, outputs, world)
-    except KeyboardInterrupt:
+    # On any way out, ranks still running are stopped (the failure and interrupt paths stop them first).
+    with RankProcesses(grace_s) as ranks:
+        with ranks.forwarding(STOP_SIGNALS):
+            try:
+                for rank in range(world):
+                    # Started from this thread, which outlives them: the ranks' parent-death signal is tied to it.
+                    rank_env = local_rank_env(base, rank, world, addr, port, simulated, os.getpid())
+                    proc = ranks.start(RankCommand(list(command), rank_env, output=PIPE))
+                    live = rank == 0 or rank_output == "all"
+                    outputs[rank] = RankOutput(rank, proc, console, errors, lock, live=live,
+                                               log_path=folder / f"rank{rank}.log")
+                failed = _wait_first_failure(ranks, outputs)
+            except KeyboardInterrupt:
+                for out in outputs.values():
+                    out.quiet()
+                ranks.stop()
+                for out in outputs.values():
+                    out.finish()
+                print("deepy: interrupted; stopped all ranks", file=errors, flush=True)
+                return 130
+            except OSError as err:
+                ranks.stop()
+                for out in outputs.values():
+                    out.finish()
+                raise ConfigError(f"cannot start {command[0]!r}: {err}") from None
+        if failed is None:
+            for out in outputs.values():
+                out.finish()
+                out.release_hold()
+            return max(proc.returncode for proc in ranks.procs)  # 0, or the stop code every rank agreed on
         for out in outputs.values():
             out.quiet()
-        _stop(procs, grace_s)
+        stopped = ranks.stop()
+        ended = ranks.wait_all()
         for out in outputs.values():
             out.finish()
-        print("deepy: interrupted; stopped all ranks", file=errors, flush=True)
-        return 130
-    except OSError as err:
-        _stop(procs, grace_s)
-        for out in outputs.values():
-            out.finish()
-        raise ConfigError(f"cannot start {command[0]!r}: {err}") from None
-    finally:
-        _restore_signals(forwarded)
-    if failed is None:
-        for out in outputs.values():
-            out.finish()
-            out.release_hold()
-        return max(proc.returncode for proc in procs)  # 0, or the stop code every rank agreed on
-    for out in outputs.values():
-        out.quiet()
-    stopped = _stop(procs, grace_s)
-    ended = exits.wait_all(world)
-    for out in outputs.values():
-        out.finish()
-    ends = [RankEnd(rank, procs[rank].returncode, ended[rank].at if rank in ended else time.monotonic(),
-                    stopped=rank in stopped, error=outputs[rank].error.line, last_output=outputs[rank].last_output)
-            for rank in range(world)]
-    root = root_cause(ends)
-    _report_failure(root, ends, outputs, folder, errors, lock)
-    return exit_code_of(root.returncode) or 1
+        ends = [RankEnd(rank, ranks.procs[rank].returncode, ended[rank].at if rank in ended else time.monotonic(),
+                        stopped=rank in stopped, error=outputs[rank].error.line, last_output=outputs[rank].last_output)
+                for rank in range(world)]
+        root = root_cause(ends)
+        _report_failure(root, ends, outputs, folder, errors, lock)
+        return exit_code_of(root.returncode) or 1
 
 
-def _wait_first_failure(exits: RankExits, outputs: Mapping[int, RankOutput], world: int,
+def _wait_first_failure(ranks: RankProcesses, outputs: Mapping[int, RankOutput],
                         tick_s: float = 0.5) -> Optional[RankExit]:
     """Block until every rank is done (-> None) or one fails (-> its exit); meanwhile show held
-    tracebacks of ranks that went on running."""
-    while len(exits.ended) < world:
-        ended = exits.next(timeout=tick_s)
-        if ended is not None and ended.returncode != 0 and ended.returncode not in STOP_CODES:
-            return ended  # a stop code is a clean end: the others are waited for, not stopped
+    tracebacks of ranks that went on running. A stop code is a clean end: the others are waited
+    for, not stopped."""
+    def release_stale_holds() -> None:
         now = time.monotonic()
         for out in outputs.values():
             out.release_stale_hold(now)
-    return None
+    return ranks.first_failure(clean_codes=(0, *STOP_CODES), tick_s=tick_s, on_tick=release_stale_holds)
 
 
 def _report_failure(root: RankEnd, ends: Sequence[RankEnd], outputs: Mapping[int, RankOutput], folder: Path,
@@ -274,23 +201,8 @@ def _report_failure(root: RankEnd, ends: Sequence[RankEnd], outputs: Mapping[int
     out.write(lines)
 
 
+# Slurm's warning signals reach deepy; every rank gets them, so they save and exit together.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def _forward_stop_signals(procs: list) -> dict:
-    """Slurm's warning signals reach deepy; pass them to every rank so they save and exit together."""
-    def forward(signum, frame):
-        for proc in procs:
-            if proc.poll() is None:
-                _signal_group(proc, signum)
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-
-
-def _restore_signals(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
 
 
 # --- Slurm -----------------------------------------------------------------------------------------

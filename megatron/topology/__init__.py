@@ -1,9 +1,9 @@
-"""Topology (tiers, rank coordinates), the shard layout (factors, chunks, group ranks, padding) and
-the process groups the engine communicates in."""
+"""Topology (tiers, rank coordinates), the shard layout (factors, chunks, group ranks, padding), the
+process groups the engine communicates in, the names the engine and the analytic models share
+(names.py) and the collective algorithm per group (algorithms.py)."""
 from megatron.topology.groups import ProcessGroups, RankGroup
 from megatron.topology.layout import (
     CUSTOM,
-    GROUP_KINDS,
     PRESETS,
     STAGE_PRESETS,
     ShardChunks,
@@ -14,10 +14,11 @@ from megatron.topology.layout import (
     preset_factors,
     validate_factors,
 )
-from megatron.topology.topology import TIER_NAMES, RankCoords, Tier, Topology, TopologyError
+from megatron.topology.errors import TopologyError
+from megatron.topology.topology import RankCoords, Tier, Topology
 
 __all__ = [
-    "CUSTOM", "GROUP_KINDS", "PRESETS", "STAGE_PRESETS", "ProcessGroups", "RankGroup", "ShardChunks",
+    "CUSTOM", "PRESETS", "STAGE_PRESETS", "ProcessGroups", "RankGroup", "ShardChunks",
     "ShardFactors", "ShardLayout", "chunk_range", "group_ranks", "preset_factors", "validate_factors",
-    "TIER_NAMES", "RankCoords", "Tier", "Topology", "TopologyError",
+    "RankCoords", "Tier", "Topology", "TopologyError",
 ]

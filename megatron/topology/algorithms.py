@@ -14,14 +14,16 @@ every pair of the group's members talks over one tier.
 """
 from __future__ import annotations
 
+from megatron.topology.names import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+
 # Algorithms (what runs on the wire), and what the figures fall back to when one was not measured.
 RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE = "ring_allgather", "ring_reduce_scatter", "ring_allreduce"
 PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM = "all_to_all", "all_to_all_sum"
 ALGORITHMS = (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE, PAIRWISE_ALL_TO_ALL, ALL_TO_ALL_SUM)
 FALLBACK = {RING_REDUCE_SCATTER: RING_ALLGATHER, RING_ALLREDUCE: RING_ALLGATHER, ALL_TO_ALL_SUM: PAIRWISE_ALL_TO_ALL}
 BACKENDS = ("nccl", "gloo")
-# The collectives by the comm model's op names (comm_model.ALLGATHER, ...).
-OPS = ("allgather", "reduce_scatter", "allreduce", "all_to_all")
+# The collectives whose algorithm is chosen here (megatron.topology.names).
+OPS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 
 
 class AlgorithmError(ValueError):
@@ -33,13 +35,13 @@ def collective_algorithm(op: str, backend: str, one_tier: bool) -> str:
     (``one_tier``) or not."""
     if backend not in BACKENDS:
         raise AlgorithmError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if op == "allgather":
+    if op == ALL_GATHER:
         return RING_ALLGATHER
-    if op == "allreduce":
+    if op == ALL_REDUCE:
         return RING_ALLREDUCE
-    if op == "all_to_all":
+    if op == ALL_TO_ALL:
         return PAIRWISE_ALL_TO_ALL
-    if op == "reduce_scatter":
+    if op == REDUCE_SCATTER:
         return ALL_TO_ALL_SUM if backend == "gloo" and one_tier else RING_REDUCE_SCATTER
     raise AlgorithmError(f"unknown collective op {op!r}")
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from megatron.topology.topology import TopologyError
+from megatron.topology.errors import TopologyError
 
 NODE_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 _TASKS_PER_NODE = re.compile(r"^(\d+)(\(x\d+\))?$")

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megatron.topology.topology import Topology, TopologyError
+from megatron.topology.errors import TopologyError
+from megatron.topology.topology import Topology
 
 # zero_optimization.stage k is the preset STAGE_PRESETS[k].
 STAGE_PRESETS = ("stage0", "stage1", "stage2", "stage3")
@@ -30,7 +31,6 @@ CUSTOM = "custom"  # explicit `shard_factors`, whatever they happen to equal
 ZEROPP = "zeropp"  # ZeRO++ hpZ: (N, N, N) plus a node-sharded secondary weight copy
 SINGLE_PROCESS = (1, 1)  # the tiers of a run without a layout: one node of one rank
 
-GROUP_KINDS = ("weight", "stride", "cross", "replica", "node", "rail", "world")  # world last (always exists)
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,17 @@ class ShardLayout:
 
     @classmethod
     def from_config(cls, cfg) -> "ShardLayout":
-        """The layout of a validated ``NeoXConfig`` (``topology.layout`` None: one process)."""
-        zero = cfg.zero
+        """The layout of a validated ``NeoXConfig`` (``topology.layout`` None: one process): the
+        factors and name validation resolved once (``zero_optimization.resolved_factors`` and
+        ``resolved_preset``, or the plan's under ``plan: auto``). A config that was never validated
+        (built in code) is resolved from its stage / preset / shard_factors here."""
+        zero, tiers = cfg.zero, tuple(cfg.topology.layout or SINGLE_PROCESS)
+        if zero.resolved_factors is not None and zero.resolved_preset is not None:
+            return cls(tiers, ShardFactors(*zero.resolved_factors), zero.resolved_preset)
         if getattr(zero, "plan", None) == "auto" and zero.shard_factors is None and zero.preset is None:
             raise TopologyError("zero_optimization.plan auto: the layout is chosen at start-up; read it from the "
                                 "config megatron.analytic.planner.planned_config returns")
-        return cls.resolve(cfg.topology.layout or SINGLE_PROCESS, zero.stage, zero.preset, zero.shard_factors)
+        return cls.resolve(tiers, zero.stage, zero.preset, zero.shard_factors)
 
     @classmethod
     def from_topology(cls, topology: Topology, factors: Optional[ShardFactors] = None,

@@ -11,11 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-TIER_NAMES = ("intra_gpu", "intra_node", "inter_node")
-
-
-class TopologyError(ValueError):
-    """A layout, preset or environment that cannot describe the ranks; one line says which."""
+from megatron.topology.allocation import parse_tasks_per_node
+from megatron.topology.errors import TopologyError
+from megatron.topology.names import TIERS
 
 
 @dataclass(frozen=True)
@@ -61,8 +59,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         names = tuple(t.name for t in self.tiers)
-        if names not in (TIER_NAMES, TIER_NAMES[1:]):
-            raise TopologyError(f"topology tiers must be {TIER_NAMES} or {TIER_NAMES[1:]} (fastest first), got {names}")
+        if names not in (TIERS, TIERS[1:]):
+            raise TopologyError(f"topology tiers must be {TIERS} or {TIERS[1:]} (fastest first), got {names}")
         for tier in self.tiers:
             if tier.size < 1:
                 raise TopologyError(f"topology tier {tier.name} must have size >= 1, got {tier.size}")
@@ -74,7 +72,7 @@ class Topology:
         layout = [int(x) for x in layout]
         if len(layout) not in (2, 3) or min(layout) < 1:
             raise TopologyError(f"topology.simulate must be [nodes, gpus] or [nodes, gpus, gcds] of positive ints, got {layout}")
-        names = TIER_NAMES[3 - len(layout):]
+        names = TIERS[3 - len(layout):]
         tiers = tuple(Tier(name, size, **FRONTIER_LINKS[name]) for name, size in zip(names, reversed(layout)))
         return cls(tiers, name="sim" + "x".join(map(str, layout)))
 
@@ -111,7 +109,6 @@ class Topology:
         except KeyError as missing:
             raise TopologyError(f"Slurm environment lacks {missing.args[0]}: run under srun") from None
         if "SLURM_NTASKS_PER_NODE" in env:
-            from megatron.topology.allocation import parse_tasks_per_node  # it imports this module
             per_node = parse_tasks_per_node(env["SLURM_NTASKS_PER_NODE"])
         elif "SLURM_NTASKS" in env:
             ntasks = int(env["SLURM_NTASKS"])

@@ -11,10 +11,9 @@ explains the choice of DEFAULT_BLOCK with benchmark numbers.
 """
 from .base import (DEFAULT_BLOCK, QuantizationError, Quantizer, codes_dtype, codes_numel,
                    padded_numel, qmax)
-from .error_feedback import ErrorFeedback
 from .select import IMPLS, get_quantizer
 
 __all__ = [
-    "DEFAULT_BLOCK", "IMPLS", "ErrorFeedback", "QuantizationError", "Quantizer", "codes_dtype",
+    "DEFAULT_BLOCK", "IMPLS", "QuantizationError", "Quantizer", "codes_dtype",
     "codes_numel", "get_quantizer", "padded_numel", "qmax",
 ]

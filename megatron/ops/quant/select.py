@@ -18,10 +18,10 @@ IMPLS = ("auto", "reference", "cpp", "triton")
 def _triton_unavailable(device: torch.device) -> Optional[str]:
     """Why the Triton kernels cannot run on `device` here, or None when they can."""
     try:
-        from . import triton_kernels
+        from .triton_kernels import interpreter_active
     except ImportError as exc:
         return f"triton is not installed ({exc})"
-    if device.type != "cuda" and not triton_kernels.interpreter_active():
+    if device.type != "cuda" and not interpreter_active():
         return f"triton needs a CUDA/ROCm device, not {device} (or TRITON_INTERPRET=1)"
     return None
 

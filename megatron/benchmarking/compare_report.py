@@ -1,5 +1,6 @@
-"""What bench/compare_peers.py makes of its launches: a row per launch from the ranks' result files,
-the ratios to DeepSpeed ZeRO-3, the markdown table, the issue's goals and the bar chart.
+"""What the peer comparison (bench/compare_peers.py) makes of its launches: a row per launch from the
+ranks' result files, the ratios to DeepSpeed ZeRO-3, the markdown table, the issue's goals and the
+bar chart.
 
 Pure functions of plain dicts (no torch, no processes), so tests/test_compare_peers.py checks them on
 results written by hand. A row's fields are documented in docs/benchmarks.md ("The results JSON").

@@ -1,0 +1,382 @@
+"""Speed side by side on an emulated two-tier cluster: our presets, DeepSpeed ZeRO-3 / hpZ and FSDP2
+train the same GPT-NeoX on the same data, and each configuration is timed, its inter-node bytes
+counted and its memory read (docs/benchmarks.md). The command line is bench/compare_peers.py.
+
+    .venv/bin/python bench/compare_peers.py                  # the whole matrix (as root)
+    .venv/bin/python bench/compare_peers.py --only ds_zero3 ours_zero_topo --layouts 2x2 \\
+        --accumulation 4 --steps 3 --warmup 1 --out /tmp/c.json --png /tmp/c.png --markdown
+    .venv/bin/python bench/compare_peers.py --from-json bench/results/compare_peers.json --markdown
+
+Every (configuration, layout, accumulation, overlap) is one launch of tools/emulate_cluster.py: two
+nodes as network namespaces whose links are rate-limited (--rate), R ranks per node, rendezvous on
+node 0's address (env://). Each rank runs bench/compare_peers.py --rank-main: it builds the peer
+with megatron/benchmarking/peers.py (the same config builder, batches and trainers as the parity
+runs), trains --warmup steps, then --steps timed steps. Before each step's clock starts every peer passes a barrier; the
+step's time is rank 0's wall time of the trainer's step (all micro-batches and the optimizer). The
+global mean loss is all-reduced after the clock stops.
+
+Inter-node bytes: each node's first rank reads its interface counters (/sys/class/net/
+$GLOO_SOCKET_IFNAME/statistics, inside its namespace) around the timed steps, so set-up, warmup and
+teardown are outside the window. The window also holds one barrier and one loss all-reduce per
+step; their bytes are measured by the same loop without training (the "bookkeeping" window) and
+subtracted. Our engine's ledger (what each rank says it sent to the other node) is read around the
+same window and summed over ranks. Peak memory is ru_maxrss, the largest over ranks.
+
+Exit codes: 0 when every configuration ran, 1 when some failed (each failure is a row of the table),
+2 for bad arguments, 69 when this machine cannot emulate a cluster (not root, or no iproute2).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from megatron.benchmarking import CHECKOUT, peers
+from megatron.benchmarking import compare_report as report
+from megatron.model.sizes import parameter_count
+
+TOOL = CHECKOUT / "tools" / "emulate_cluster.py"
+RANK_SCRIPT = CHECKOUT / "bench" / "compare_peers.py"  # the command line; with --rank-main it is one rank
+UNAVAILABLE = 69
+DEFAULT_OUT = CHECKOUT / "bench" / "results" / "compare_peers.json"
+DEFAULT_PNG = CHECKOUT / "bench" / "results" / "compare_peers.png"
+# Layouts: the name, the topology tiers our engine sees (slowest first). 2 x 4 is a Frontier-like
+# node of 2 GPUs x 2 GCDs, so zero_topo's weight tier is the pair: (2, 4, 8), as (2, 8, N) there.
+LAYOUTS = {"2x4": (2, 2, 2), "2x2": (2, 2)}
+# The benchmark's model: 4.2M parameters (16.8 MB in fp32). One DeepSpeed ZeRO-3 micro-step sends
+# ~90 MB across the node links; at 300 Mbit/s that takes longer than the compute of 8 ranks on 2 cores
+# (measured at accumulation 4 on 2 x 4: 3.2 s per step with unlimited links, 7.7 s at 300 Mbit/s;
+# docs/benchmarks.md "Choosing the rate").
+# The global micro-batch is 8 sequences on both layouts (micro-batch 8 / ranks), so every layout and
+# every peer trains on exactly the same tokens.
+MODELS = {"bench": dict(num_layers=4, hidden_size=256, num_heads=4, seq_length=128, vocab=2048),
+          "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab=384)}
+GLOBAL_MICRO_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """One peer configuration (a row of the table, per layout x accumulation x overlap)."""
+    key: str
+    label: str
+    peer: str
+    preset: str                      # the configs/<preset>.yml our config builder reads
+    overrides: tuple = ()            # `--set`-style, for ours
+    quantized: bool = False          # DeepSpeed qwZ + qgZ
+    hpz: bool = False                # DeepSpeed hpZ over the node
+
+    @property
+    def has_overlap(self) -> bool:   # overlap_comm is our engine's key; the peers run as they do
+        return self.peer == "ours"
+
+    def trainer_options(self, shape: peers.Shape) -> dict:
+        if self.peer != "deepspeed":
+            return {}
+        return {"hpz": shape.ranks_per_node if self.hpz else 1, "quantized_weights": self.quantized,
+                "quantized_gradients": self.quantized}
+
+
+QUANT = ("zero_optimization.zero_quantized_weights=true", "zero_optimization.zero_quantized_gradients=true")
+CONFIGS = [  # DeepSpeed ZeRO-3 first: every other row's ratio is to it
+    Config("ds_zero3", "DeepSpeed ZeRO-3", "deepspeed", "zero3"),
+    Config("ds_hpz", "DeepSpeed ZeRO-3 + hpZ", "deepspeed", "zero3", hpz=True),
+    Config("ds_zeropp", "DeepSpeed ZeRO++ (qwZ+qgZ+hpZ)", "deepspeed", "zero3", hpz=True, quantized=True),
+    Config("fsdp2", "FSDP2 fully_shard", "fsdp2", "zero3"),
+    Config("fsdp2_hsdp", "FSDP2 HSDP", "fsdp2", "hsdp"),
+    Config("ours_zero3", "ours zero3", "ours", "zero3"),
+    Config("ours_zeropp", "ours zeropp INT8w/INT4g", "ours", "zeropp", QUANT),
+    Config("ours_hsdp", "ours hsdp", "ours", "hsdp"),
+    Config("ours_zero_topo", "ours zero_topo", "ours", "zero_topo"),
+    Config("ours_zero_topo_q", "ours zero_topo INT8w/INT4g", "ours", "zero_topo", QUANT),
+]
+BY_KEY = {c.key: c for c in CONFIGS}
+# DeepSpeed 0.19.8's quantizer op has no CPU build: with qwZ, deepspeed.initialize fails in ZeRO's
+# Init (CUDAQuantizer -> QuantizerBuilder().load(): "This op had not been implemented on CPU
+# backend."), with qgZ alone the first gradient reduction does. It runs only when asked for (--only).
+NOT_BY_DEFAULT = ("ds_zeropp",)
+
+
+class BenchError(Exception):
+    """Bad arguments or an unreadable results file: one line, exit 2."""
+
+
+# --------------------------------------------------------------------------------- one rank (child)
+
+def bench_shape(model: str, layout: str, accumulation: int) -> peers.Shape:
+    tiers = LAYOUTS[layout]
+    world = peers.Shape(tiers=tiers).world_size
+    return peers.Shape(tiers=tiers, micro_batch=GLOBAL_MICRO_BATCH // world, accumulation=accumulation,
+                       **MODELS[model])
+
+
+def read_interface() -> dict | None:
+    """This node's interface counters (the first rank of each node reads them), else None."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    stats = Path("/sys/class/net") / ifname / "statistics"
+    return {name: int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    return None if before is None else {k: after[k] - before[k] for k in before}
+
+
+def ledger_inter_node(trainer) -> dict | None:
+    """Our ledger's inter-node bytes of this rank, by phase (None for the peers)."""
+    ledger = getattr(trainer, "ledger", None)
+    if ledger is None:
+        return None
+    return {phase: nbytes for (phase, tier), nbytes in ledger.snapshot().items() if tier == "inter_node"}
+
+
+def timed_steps(trainer, first: int, count: int, barrier) -> tuple[list[float], list[float], list[float]]:
+    """``count`` optimizer steps from step ``first``: rank-local wall times (a barrier before each
+    clock starts), global mean losses (all-reduced after the clock stops) and grad norms."""
+    times, losses, norms = [], [], []
+    for step in range(first, first + count):
+        barrier()
+        start = time.perf_counter()
+        local, norm = trainer.step(step)
+        times.append(time.perf_counter() - start)
+        losses.append(peers.global_mean(local))
+        norms.append(norm)
+    return times, losses, norms
+
+
+def bookkeeping_window(count: int, barrier) -> dict | None:
+    """The counters of the timed loop's own collectives (a barrier and a loss all-reduce per step,
+    one closing barrier), without any training: subtracted from the timed window."""
+    barrier()
+    before = read_interface()
+    for _ in range(count):
+        barrier()
+        peers.global_mean([0.0])
+    barrier()
+    return counter_delta(before, read_interface())
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """Join, build the peer, warm up, time the steps, write this rank's result, leave."""
+    import torch
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    out = Path(args.workdir) / f"rank{rank}.json"
+    torch.set_num_threads(1)
+    fields = json.loads(args.config)
+    config = Config(**{**fields, "overrides": tuple(fields["overrides"])})
+    shape = bench_shape(args.model, args.layouts[0], args.accumulation[0])
+    overrides = list(config.overrides)
+    if config.has_overlap and args.overlap in ("on", "off"):
+        overrides.append(f"zero_optimization.overlap_comm={'true' if args.overlap == 'on' else 'false'}")
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=shape.world_size,
+                                timeout=timedelta(seconds=peers.PG_TIMEOUT_S))
+        barrier = dist.barrier
+        cfg = peers.run_config(shape, config.preset, overrides)
+        trainer = peers.make_trainer(config.peer, cfg, shape, rank, **config.trainer_options(shape))
+        warm_times, warm_losses, _ = timed_steps(trainer, 0, args.warmup, barrier)
+        bookkeeping = bookkeeping_window(args.steps, barrier)
+        barrier()
+        counters, ledger = read_interface(), ledger_inter_node(trainer)
+        times, losses, norms = timed_steps(trainer, args.warmup, args.steps, barrier)
+        barrier()
+        window = counter_delta(counters, read_interface())
+        ledger_after = ledger_inter_node(trainer)
+        ledger_window = None if ledger is None else {p: ledger_after[p] - ledger[p] for p in ledger}
+        payload = {"ok": True, "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+                   "step_times_s": warm_times + times, "losses": warm_losses + losses, "grad_norms": norms,
+                   "interface_window": window, "interface_bookkeeping": bookkeeping,
+                   "ledger_inter_node_window": ledger_window, "info": trainer.info(),
+                   "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+        trainer.close()
+    except BaseException as err:  # noqa: BLE001 - what a rank raises goes into the table
+        payload = {"ok": False, "rank": rank, "error": f"{type(err).__name__}: {err}",
+                   "traceback": traceback.format_exc()}
+        code = 1  # a failed rank exits at once, so the tool stops its peers instead of a 300 s hang
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, out)
+    try:
+        if code == 0 and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # FIELD_NOTES: gloo's C++ teardown can abort after the result is safe
+
+
+# ----------------------------------------------------------------------------------------- launcher
+
+def launch_command(args: argparse.Namespace, config: Config, layout: str, accumulation: int, overlap: str,
+                   workdir: Path) -> list[str]:
+    tiers = LAYOUTS[layout]
+    per_node = peers.Shape(tiers=tiers).ranks_per_node
+    inner = [sys.executable, str(RANK_SCRIPT), "--rank-main", "--config", json.dumps(asdict(config)),
+             "--layouts", layout, "--accumulation", str(accumulation),
+             *(["--overlap", overlap] if overlap != "default" else []),
+             "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+             "--workdir", str(workdir)]
+    return [sys.executable, str(TOOL), "--nodes", str(tiers[0]), "--ranks-per-node", str(per_node),
+            "--rate", args.rate, "--report", str(workdir / "report.json"), "--timeout-s", str(args.launch_timeout),
+            "--prefix", "nxcmp", "--command", shlex.join(inner)]
+
+
+def run_one(args: argparse.Namespace, config: Config, layout: str, accumulation: int, overlap: str) -> dict:
+    """One emulated-cluster launch; returns its row (``ok`` false with a one-line error on failure)."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"cmp_{config.key}_{layout}_a{accumulation}_"))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(peers.DEFAULT_EXTENSIONS_DIR))
+    row = {"config": config.key, "label": config.label, "peer": config.peer, "layout": layout,
+           "tiers": list(LAYOUTS[layout]), "accumulation": accumulation,
+           "overlap": overlap if config.has_overlap else None, "steps": args.steps, "warmup": args.warmup}
+    start = time.monotonic()
+    with open(workdir / "launch.log", "w") as log:
+        code = subprocess.run(launch_command(args, config, layout, accumulation, overlap, workdir), env=env,
+                              cwd=CHECKOUT, stdout=log, stderr=subprocess.STDOUT).returncode
+    row["launch_s"] = round(time.monotonic() - start, 1)
+    ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank*.json"))]
+    tool = json.loads((workdir / "report.json").read_text()) if (workdir / "report.json").exists() else None
+    row.update(report.summarize_ranks(ranks, tool, code, args.steps, args.warmup,
+                                      peers.Shape(tiers=LAYOUTS[layout]).world_size))
+    if not row["ok"]:
+        row["log"] = str(workdir / "launch.log")  # kept: the full tracebacks are in the rank files
+        if not ranks:  # the network or the ranks' start failed: the tool's last line says why
+            tail = (workdir / "launch.log").read_text().strip().splitlines()
+            said = [line for line in tail if "error" in line.lower()] or tail
+            row["error"] = report.one_line(said[-1] if said else row["error"])
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return row
+
+
+def plan(args: argparse.Namespace) -> list[tuple[Config, str, int, str]]:
+    """Every launch, DeepSpeed ZeRO-3 first in each (layout, accumulation) group."""
+    keys = args.only or [c.key for c in CONFIGS if c.key not in NOT_BY_DEFAULT]
+    overlaps = ["off", "on"] if args.overlap == "both" else [args.overlap]
+    runs = []
+    for layout in args.layouts:
+        for accumulation in args.accumulation:
+            for config in CONFIGS:
+                if config.key in keys:
+                    for overlap in (overlaps if config.has_overlap else ["default"]):
+                        runs.append((config, layout, accumulation, overlap))
+    return runs
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1),
+            "kernel": platform.release(), "python": platform.python_version()}
+
+
+def versions() -> dict:
+    import torch
+    out = {"torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+        out["deepspeed"] = version("deepspeed")
+    except Exception:  # noqa: BLE001 - absent is fine: its rows fail with the import error
+        out["deepspeed"] = None
+    return out
+
+
+def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict:
+    runs = plan(args)
+    shape = bench_shape(args.model, "2x2", 1)
+    results = {"meta": {"command": "bench/compare_peers.py " + shlex.join(argv), "rate": args.rate,
+                        "steps": args.steps, "warmup": args.warmup, "model": {**MODELS[args.model],
+                        "parameters": parameter_count(peers.run_config(shape, "zero3").model, shape.vocab)},
+                        "global_micro_batch": GLOBAL_MICRO_BATCH, "machine": machine(), **versions(),
+                        "overlap_key": overlap_key_present(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+               "rows": []}
+    start = time.monotonic()
+    for i, (config, layout, accumulation, overlap) in enumerate(runs, 1):
+        row = run_one(args, config, layout, accumulation, overlap)
+        results["rows"].append(row)
+        report.add_ratios(results["rows"])
+        print(f"[{i}/{len(runs)}] {report.progress_line(row)}", flush=True)
+        write_json(args.out, results)  # a long run interrupted still leaves what it measured
+    results["meta"]["wall_s"] = round(time.monotonic() - start, 1)
+    return results
+
+
+def overlap_key_present() -> bool:
+    schema = CHECKOUT / "megatron" / "config" / "schema.py"
+    return "zero_optimization.overlap_comm" in schema.read_text()
+
+
+def write_json(path: str, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="compare_peers.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", metavar="CONFIG",
+                   help=f"configurations to run (default: all but {', '.join(NOT_BY_DEFAULT)}, whose "
+                        "quantizer op DeepSpeed does not build for CPU): " + ", ".join(c.key for c in CONFIGS))
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), metavar="NxR",
+                   help="layouts: 2x4 (8 ranks; tiers 2,2,2) and/or 2x2 (4 ranks) (default both)")
+    p.add_argument("--accumulation", nargs="+", type=int, default=[1, 4],
+                   help="gradient accumulation counts (default 1 4)")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per configuration (default 4)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
+    p.add_argument("--rate", default="300mbit", help="each node link's rate per direction, tc syntax (default 300mbit)")
+    p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
+                   help="our zero_optimization.overlap_comm: on, off, or both (two rows per preset; default)")
+    p.add_argument("--model", choices=tuple(MODELS), default="bench",
+                   help="bench: 4 layers, hidden 256, seq 128, vocab 2048 (default); tiny: the parity model")
+    p.add_argument("--out", default=str(DEFAULT_OUT),
+                   help=f"results JSON (default {DEFAULT_OUT.relative_to(CHECKOUT)})")
+    p.add_argument("--png", default=str(DEFAULT_PNG), help="bar chart of step time / DS ZeRO-3's ('' for none)")
+    p.add_argument("--markdown", action="store_true", help="print the markdown table (and the goals) at the end")
+    p.add_argument("--from-json", metavar="PATH", help="run nothing: table and chart from an earlier results JSON")
+    p.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take (default 600)")
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)  # a rank's Config as JSON (any configuration, e.g. bench/time_model.py's)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        raise BenchError(f"--steps {args.steps}: must be at least 1")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup {args.warmup}: must be non-negative")
+    if args.launch_timeout <= 0:
+        raise BenchError(f"--launch-timeout {args.launch_timeout:g}: must be positive")
+    bad = [c for c in args.only or [] if c not in BY_KEY]
+    if bad:
+        raise BenchError(f"--only {' '.join(bad)}: unknown configuration; choose from {', '.join(BY_KEY)}")
+    bad = [layout for layout in args.layouts if layout not in LAYOUTS]
+    if bad:
+        raise BenchError(f"--layouts {' '.join(bad)}: unknown layout; choose from {', '.join(LAYOUTS)}")
+    if any(a < 1 for a in args.accumulation):
+        raise BenchError(f"--accumulation {args.accumulation}: every count must be at least 1")
+    return args
+
+
+def load_emulator():
+    spec = importlib.util.spec_from_file_location("emulate_cluster", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["emulate_cluster"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
