@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.rank_files import CheckpointError
 from megatron.checkpointing.hf_weights import HFWeights
 from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size

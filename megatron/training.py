@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing.checkpointer import Checkpointer, latest_step_dir, load_meta
+from megatron.checkpointing.checkpointer import Checkpointer
+from megatron.checkpointing.folders import latest_step_dir
+from megatron.checkpointing.rank_files import load_meta
 from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_to_dict
 from megatron.engine import Engine

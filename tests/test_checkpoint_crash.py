@@ -34,7 +34,7 @@ KILLER = textwrap.dedent("""
 
 @pytest.mark.parametrize("victim", ["rank_file", "meta"])
 def test_sigkill_during_save_keeps_previous_latest(tmp_path, tiny_corpus, victim):
-    from megatron.checkpointing.checkpointer import latest_step_dir
+    from megatron.checkpointing.folders import latest_step_dir
     save = tmp_path / "ck"
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1, save=str(save))
     assert run_deepy("train.py", str(cfg)).returncode == 0

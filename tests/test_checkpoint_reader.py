@@ -26,7 +26,8 @@ from conftest import REPO, run_deepy, tiny_run_config, train_losses
 from dist_harness import run_ranks
 from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
-from megatron.checkpointing.checkpointer import Checkpointer, CheckpointError, rank_file
+from megatron.checkpointing.checkpointer import Checkpointer
+from megatron.checkpointing.rank_files import CheckpointError, rank_file
 from megatron.checkpointing.index import INDEX, scan_step
 from megatron.checkpointing.param_slices import assemble_full_state, make_engine_state
 from megatron.checkpointing.reader import CheckpointReader
@@ -200,7 +201,7 @@ def test_resume_on_four_ranks_zero_topo_continues(zero3_run, tmp_path, tiny_corp
 def test_old_format_checkpoint_loads_with_notice(zero3_run, tmp_path, capsys):
     """No index.json: the reader indexes the step from the files (one-line notice); a single
     process loads the 8-rank checkpoint through it exactly."""
-    from megatron.checkpointing.checkpointer import load_meta
+    from megatron.checkpointing.rank_files import load_meta
     from megatron.config import config_from_dict
     from megatron.engine import SingleProcessEngine, lm_loss
     from megatron.model import GPTNeoX
@@ -253,7 +254,7 @@ def _expected_reads(engine, index: dict, weights_only: bool) -> tuple[set[int], 
 
 
 def _load_worker(rank: int, world_size: int, step_dir: str, legacy_dir: str) -> dict:
-    from megatron.checkpointing.checkpointer import load_meta
+    from megatron.checkpointing.rank_files import load_meta
     from megatron.config import config_from_dict
     from megatron.engine import lm_loss
     from megatron.model import GPTNeoX

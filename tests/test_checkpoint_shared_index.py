@@ -29,7 +29,7 @@ import torch
 from dist_harness import run_ranks
 from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
-from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.rank_files import CheckpointError
 from megatron.checkpointing.index import INDEX
 from megatron.checkpointing.reader import CheckpointReader
 from test_engine import LR, OPT, build_model, make_batch

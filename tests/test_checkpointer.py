@@ -3,8 +3,9 @@ import warnings
 import pytest
 import torch
 
-from megatron.checkpointing.checkpointer import (Checkpointer, CheckpointError, committed_steps,
-                                                 latest_step_dir, load_meta, load_rank_state)
+from megatron.checkpointing.checkpointer import Checkpointer
+from megatron.checkpointing.folders import committed_steps, latest_step_dir
+from megatron.checkpointing.rank_files import CheckpointError, load_meta, load_rank_state
 
 
 def _save(tmp_path, step, keep=None, value=1.0):
@@ -39,7 +40,7 @@ def test_a_crash_while_replacing_a_step_leaves_one_complete_copy(tmp_path, monke
     tidies up."""
     from megatron.checkpointing import checkpointer
     _save(tmp_path, 10, value=1.0)
-    real_rename = checkpointer._rename_durably
+    real_rename = checkpointer.rename_durably
     renames = []
 
     def rename(src, dst):
@@ -48,10 +49,10 @@ def test_a_crash_while_replacing_a_step_leaves_one_complete_copy(tmp_path, monke
             raise Crash
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpointer, "_rename_durably", rename)
+    monkeypatch.setattr(checkpointer, "rename_durably", rename)
     with pytest.raises(Crash):
         _save(tmp_path, 10, value=2.0)
-    monkeypatch.setattr(checkpointer, "_rename_durably", real_rename)
+    monkeypatch.setattr(checkpointer, "rename_durably", real_rename)
     expect = 2.0 if crash_at == "latest" else 1.0  # the new copy counts once it is renamed in
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -135,7 +136,7 @@ class _NotPlainData:
 def test_rank_files_load_with_weights_only(tmp_path):
     """Rank files hold only dicts, lists, tensors, strings and numbers, and load with
     weights_only=True; a file holding anything else is refused in one line, not unpickled."""
-    from megatron.checkpointing.checkpointer import rank_file, read_rank_file
+    from megatron.checkpointing.rank_files import rank_file, read_rank_file
     state = {"engine": {"format": "x", "step": 2, "shapes": {"w": [3]}, "preset": None, "factors": [1, 1, 1],
                         "loss_scaler": {"scale": 1.0, "clean_steps": 0}, "pieces": [{"name": "w", "offset": 0}]},
              "rng": {"torch": torch.get_rng_state()}}

@@ -63,7 +63,7 @@ def trained(tmp_path_factory) -> Path:
 
 def reference_model(step_dir: Path):
     """The checkpoint's weights by the full-tensor path, in a model built from the run's own config."""
-    from megatron.checkpointing.checkpointer import load_meta
+    from megatron.checkpointing.rank_files import load_meta
     from megatron.checkpointing.param_slices import assemble_full_state
     from megatron.config import config_from_dict
     from megatron.model import GPTNeoX

@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("rotary_pct,parallel", [(0.25, True), (0.5, False)])
 def test_export_logits_match_transformers(tmp_path, tiny_corpus, rotary_pct, parallel):
-    from megatron.checkpointing.checkpointer import latest_step_dir, load_meta
+    from megatron.checkpointing.folders import latest_step_dir
+    from megatron.checkpointing.rank_files import load_meta
     from megatron.checkpointing.hf_io import import_hf
     from megatron.checkpointing.param_slices import assemble_full_state
     from megatron.config import config_from_dict
@@ -46,7 +47,7 @@ def test_export_logits_match_transformers(tmp_path, tiny_corpus, rotary_pct, par
 
 def test_load_hf_initialises_training(tmp_path, tiny_corpus):
     from megatron.checkpointing.hf_io import export_hf
-    from megatron.checkpointing.checkpointer import latest_step_dir
+    from megatron.checkpointing.folders import latest_step_dir
     first = tmp_path / "a"
     first.mkdir()
     cfg = tiny_run_config(first, tiny_corpus, train_iters=3, eval_iters=0, save=str(first / "ck"))

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from conftest import run_deepy, tiny_run_config
-from megatron.checkpointing.checkpointer import latest_step_dir
+from megatron.checkpointing.folders import latest_step_dir
 
 
 # lr 1e6: NaN gradients from step 2 (one clean checkpoint, step 1). lr 1e3: finite losses throughout,

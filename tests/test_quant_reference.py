@@ -154,7 +154,7 @@ def test_reduce_requantize_is_sum_then_quantize(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fused_residual_equals_unfused_error_feedback(bits):
-    from megatron.ops.quant import ErrorFeedback
+    from quant_oracles import ErrorFeedback  # the unfused oracle (tests/quant_oracles.py)
     gen = torch.Generator().manual_seed(6)
     k, n, block = 3, 192, 64
     encoded = [REF.quantize(torch.randn(n, generator=gen), bits, block) for _ in range(k)]

@@ -65,7 +65,7 @@ def test_hf_folder_of_another_shape_is_refused(tmp_path):
     torch.manual_seed(5)
     write_hf_folder(GPTNeoX(tiny_cfg(no_weight_tying=True, hidden_size=32, num_attention_heads=4), VOCAB),
                     tmp_path / "hf")
-    from megatron.checkpointing.checkpointer import CheckpointError
+    from megatron.checkpointing.rank_files import CheckpointError
     with pytest.raises(CheckpointError, match="shape"):
         unit_materializer(meta_model(no_weight_tying=True), str(tmp_path / "hf"))
 
@@ -92,7 +92,7 @@ def test_sharded_build_on_four_ranks_holds_the_reference_weights(tmp_path, prese
 
 
 def test_load_hf_on_simulated_ranks_starts_where_the_single_process_does(tmp_path, tiny_corpus):
-    from megatron.checkpointing.checkpointer import latest_step_dir
+    from megatron.checkpointing.folders import latest_step_dir
     from megatron.checkpointing.hf_io import export_hf
     first = tmp_path / "a"
     first.mkdir()

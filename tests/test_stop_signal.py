@@ -18,7 +18,8 @@ SIMULATED_4 = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero_topo.
     (signal.SIGTERM, [], False, STOPPED_UNSAVED),
 ], ids=["usr1-4-ranks", "term-1-rank", "term-no-save"])
 def test_signal_saves_then_exits_with_the_stop_code(tmp_path, tiny_corpus, sig, layout, save, code):
-    from megatron.checkpointing.checkpointer import latest_step_dir, load_meta
+    from megatron.checkpointing.folders import latest_step_dir
+    from megatron.checkpointing.rank_files import load_meta
     folder = tmp_path / "ck"
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=5000, eval_iters=0, log_interval=1,
                           train_batch_size=16, train_micro_batch_size_per_gpu=2,

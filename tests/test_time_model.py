@@ -7,7 +7,6 @@ through each member; the engine's schedule of docs/engine.md), never by calling 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 

@@ -58,6 +58,7 @@ def module_name(path: Path, root: Path) -> str:
 
 def read(root: Path = REPO) -> CodeMap:
     files = {module_name(p, root): p for p in sorted((root / "megatron").rglob("*.py"))}
+    files.pop("megatron", None)  # the root package's empty __init__: no code, no arrows
     code = CodeMap()
     for module, path in files.items():
         text = path.read_text()

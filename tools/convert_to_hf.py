@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.rank_files import CheckpointError
 from megatron.checkpointing.hf_io import export_hf
 from megatron.config import ConfigError
 

@@ -6,7 +6,7 @@ Commit protocol (why: a killed job must never leave a half-written step as `late
    reads each file's list once) and rank 0 writes `index.json` (megatron/checkpointing/index.py),
    fsyncs it; 4. rank 0 writes `meta.json`, fsyncs, renames the folder to `global_stepN` (atomic on
    POSIX), then replaces `latest` by rename of a fsynced temporary file; 5. barrier. Every rename
-   fsyncs what it renames first and the parent folder after (`_rename_durably`). A folder without
+   fsyncs what it renames first and the parent folder after (`rename_durably`). A folder without
    `meta.json` or a leftover `.partial` is ignored with a warning. Old steps are pruned only after
    the new one is committed. A step without `index.json` (saved before it existed) still loads.
 
@@ -23,104 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from megatron.checkpointing.folders import META, aside_dir, complete_steps, step_name
-# Readers have long imported these from here; they live with the other folder rules.
-from megatron.checkpointing.folders import committed_steps, latest_step_dir  # noqa: F401
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or read; the message says what to do."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rank_file(step_dir: Path, rank: int) -> Path:
-    return step_dir / f"rank_{rank:05d}.pt"
-
-
-def read_rank_file(path: Path, mmap: bool = False) -> dict:
-    """torch.load of a rank file; one that is cut short or overwritten is a CheckpointError, not
-    torch's multi-line zip or unpickling error. ``weights_only``: a rank file holds only dicts, lists,
-    tensors, strings and numbers, so loading one never runs code a file could smuggle in."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as err:
-        if str(err).startswith("Weights only load failed"):
-            raise CheckpointError(f"{path} holds objects other than tensors, dicts, lists, strings and numbers: "
-                                  "refused (unpickling them could run code); it was not written by this "
-                                  "trainer's checkpointer") from err
-        raise _damaged(path, err) from err
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        raise _damaged(path, err) from err
-
-
-def _damaged(path: Path, err: BaseException) -> CheckpointError:
-    reason = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"{path} cannot be read ({reason}): the checkpoint is damaged; to resume from "
-                           f"an earlier step write its name into {Path(path).parent.parent / 'latest'}")
-
-
-class _ErrorRecordingFile:
-    """torch.save reports a failed write as a bare RuntimeError ("unexpected pos ..."); this keeps
-    the OSError behind it (No space left on device, File too large) for the message."""
-
-    def __init__(self, f):
-        self.f = f
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _rename_durably(src: Path, dst: Path) -> None:
-    """fsync ``src`` (a file's data, or a folder's entries), os.replace, then fsync the parent folder.
-    Why both: a rename can reach the disk before the data it names (ext4 delalloc, XFS), so after a
-    power loss the new name could point at an empty file; and the rename itself lives in the parent."""
-    _fsync_path(src)
-    os.replace(src, dst)
-    _fsync_path(dst.parent)
-
-
-def write_text_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it (a file about to be renamed into place)."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_rank_state(path: Path, rank_state: dict) -> None:
-    """torch.save + fsync; raises OSError (the real cause) when the file cannot be written."""
-    with open(path, "wb") as f:
-        recording = _ErrorRecordingFile(f)
-        try:
-            torch.save(rank_state, recording)
-        except RuntimeError:
-            if recording.error is None:
-                raise
-            raise recording.error from None
-        f.flush()
-        os.fsync(f.fileno())
+from megatron.checkpointing.rank_files import (CheckpointError, fsync_path, rank_file, rename_durably,
+                                               write_rank_state, write_text_durably)
 
 
 class Checkpointer:
@@ -164,7 +74,7 @@ class Checkpointer:
                 raise self._write_failed(final, partial, err) from None
         self.barrier()
         try:
-            _write_rank_state(rank_file(partial, self.rank), rank_state)
+            write_rank_state(rank_file(partial, self.rank), rank_state)
         except OSError as err:
             raise self._write_failed(final, partial, err, rank_file(partial, self.rank).name) from None
         self.barrier()
@@ -189,16 +99,16 @@ class Checkpointer:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(partial)
+        fsync_path(partial)
         aside = aside_dir(final)
         if final.exists():
             if aside.exists():  # left by a replacement that had already moved its new copy in
                 shutil.rmtree(aside)
-            _rename_durably(final, aside)
-        _rename_durably(partial, final)
+            rename_durably(final, aside)
+        rename_durably(partial, final)
         tmp_pointer = self.save_dir / ".latest.tmp"
         write_text_durably(tmp_pointer, final.name)
-        _rename_durably(tmp_pointer, self.save_dir / "latest")
+        rename_durably(tmp_pointer, self.save_dir / "latest")
         shutil.rmtree(aside, ignore_errors=True)
 
     def _write_failed(self, final: Path, partial: Path, err: OSError, what: str | None = None) -> CheckpointError:
@@ -238,16 +148,3 @@ class Checkpointer:
                 continue
             shutil.rmtree(folders[step], ignore_errors=True)
             shutil.rmtree(aside_dir(self.save_dir / step_name(step)), ignore_errors=True)
-
-
-def load_meta(step_dir: Path) -> dict:
-    with open(step_dir / META) as f:
-        return json.load(f)
-
-
-def load_rank_state(step_dir: Path, rank: int, mmap: bool = False) -> dict:
-    """One rank file; ``mmap``: map it, so only the entries touched are read (not its tensors)."""
-    path = rank_file(step_dir, rank)
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint was saved with a different layout")
-    return read_rank_file(path, mmap=mmap)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron.checkpointing.checkpointer import CheckpointError, load_meta
+from megatron.checkpointing.rank_files import CheckpointError, load_meta
 from megatron.checkpointing.hf import (hf_config_dict, model_config_from_hf, to_hf_state_dict,
                                        from_hf_state_dict)
 from megatron.checkpointing.reader import read_master_weights

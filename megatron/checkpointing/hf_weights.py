@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from megatron.checkpointing.checkpointer import CheckpointError
+from megatron.checkpointing.rank_files import CheckpointError
 from megatron.checkpointing.hf import (HF_IGNORED_SUFFIXES, HF_OUTPUT, HF_OUTPUT_IN_MEMORY, OUR_EMBED,
                                        OUR_OUTPUT, model_config_from_hf, name_pairs)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-from megatron.checkpointing.checkpointer import CheckpointError, rank_file, read_rank_file
+from megatron.checkpointing.rank_files import CheckpointError, rank_file, read_rank_file
 from megatron.checkpointing.param_slices import FORMAT, PER_RANK
 
 INDEX = "index.json"

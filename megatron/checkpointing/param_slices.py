@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank_file, read_rank_file
+from megatron.checkpointing.rank_files import CheckpointError, load_meta, rank_file, read_rank_file
 
 FORMAT = "neox_topo/param_slices/1"
 STATES = ("master", "exp_avg", "exp_avg_sq")

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron.checkpointing.checkpointer import CheckpointError, load_meta, rank_file
+from megatron.checkpointing.rank_files import CheckpointError, load_meta, rank_file
 from megatron.checkpointing.index import INDEX, open_rank_file, read_index, scan_step
 from megatron.checkpointing.param_slices import STATES
 from megatron.logging.metrics import log_print

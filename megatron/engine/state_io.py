@@ -204,13 +204,10 @@ def load_full_state_dict(engine, params: dict[str, torch.Tensor],
     for unit in engine.units:
         full = _assemble(unit, params, "parameter")
         unit.master.copy_(full[slice(*unit.opt_range)])
-        weights = full[slice(*unit.weight_range)]
-        if engine.quant.refresh_bits and engine.groups.cross.size > 1:
-            # The quantized refresh hands every member dequantized INT8 values; quantizing the
-            # whole weight range gives the same codes (chunks are whole blocks), so rebuild them
-            # locally and a resumed run continues exactly.
-            weights = engine.qcomm.roundtrip(weights, engine.quant.refresh_bits, engine.dtype)
-        unit.shard.copy_(weights)
+        # What a refresh would hand this rank (with a quantized refresh, the dequantized INT8 values:
+        # the chunks are whole blocks, so quantizing the whole range gives the same codes), rebuilt
+        # locally, so a resumed run continues exactly.
+        unit.shard.copy_(engine.collectives.refreshed_weights(full[slice(*unit.weight_range)]))
         for key in ("exp_avg", "exp_avg_sq"):
             moment = _assemble(unit, optimizer[key], key) if optimizer else torch.zeros(unit.size)
             getattr(unit, key).copy_(moment[slice(*unit.opt_range)])

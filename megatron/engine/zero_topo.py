@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from megatron.engine import state_io
+import megatron.engine.state_io as state_io
 from megatron.engine.clipping import clip_, global_grad_norm
 from megatron.engine.collectives import UnitCollectives
 from megatron.engine.comm import Communicator

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from megatron.build import derive_vocab
-from megatron.checkpointing.checkpointer import CheckpointError, latest_step_dir, load_meta
+from megatron.checkpointing.folders import latest_step_dir
+from megatron.checkpointing.rank_files import CheckpointError, load_meta
 from megatron.checkpointing.folders import META
 from megatron.checkpointing.param_slices import check_shapes
 from megatron.checkpointing.reader import read_master_weights

@@ -170,7 +170,8 @@ class Quantizer:
 
         With `residual` (fp32, one chunk long; error feedback for this hop) the sum plus the
         residual is quantized and the residual is overwritten, in the same pass, with what that
-        quantization lost: exactly `ErrorFeedback.compensate` then `update` on the unfused sum.
+        quantization lost: exactly adding the residual, quantizing, and keeping the difference, on the
+        unfused sum (tests/quant_oracles.py states that unfused form).
         """
         check_block(bits, block)
         per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
