@@ -10,7 +10,7 @@ import pytest
 
 from megatron.analytic.comm_model import (
     CommModelError, CommSpec, predict_ledger, predict_ledger_per_rank, transformer_block_units)
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology import TopologyError
 from megatron.topology.layout import ShardLayout
 

@@ -19,7 +19,7 @@ from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import (
     CommModelError, CommSpec, bytes_by_tier, packed_message_bytes, padded_unit_numels, predict_ledger,
     predict_ledger_per_rank, transformer_block_units)
-from megatron.ops.quant.spec import QuantSpec, QuantSpecError
+from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from megatron.topology import Topology
 from megatron.analytic.hardware import Hardware
 from megatron.analytic.time_model import StepWork, footprint, step_time

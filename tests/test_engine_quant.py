@@ -30,7 +30,7 @@ from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.engine.quantized import (QuantizedCollectives, merge_messages, message_bytes, pack_messages, qgz_swizzle, unpack_messages)
-from megatron.ops.quant.spec import QuantSpec, QuantSpecError
+from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
 
 LAYOUT = [2, 2, 2]

@@ -17,7 +17,7 @@ import torch
 from dist_harness import run_ranks
 from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from test_engine import LR, OPT, build_model, make_batch
 
 QUANT = QuantSpec(grad_reduce_bits=4, cross_node_grad_bits=4, block_size=64, impl="reference", error_feedback=True)

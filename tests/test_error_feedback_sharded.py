@@ -23,7 +23,7 @@ from megatron.engine import lm_loss
 from megatron.topology import ProcessGroups, RankGroup, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.analytic.comm_model import CommSpec
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.analytic.memory_model import predict_model_state_bytes
 from megatron.engine.comm import Pending
 from megatron.engine.quantized import QuantizedCollectives

@@ -145,8 +145,7 @@ def test_no_analytic_model_imports_the_engine():
         tree = ast.parse(path.read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        bad = {m for m in imported if m == "megatron.engine" or m.startswith(("megatron.engine.", "megatron.ops"))
-               and m != "megatron.ops.quant.spec"}  # the quantization spec is shared, the kernels are not
+        bad = {m for m in imported if m == "megatron.engine" or m.startswith(("megatron.engine.", "megatron.ops"))}
         assert not bad, f"{path.name} imports {sorted(bad)}"
 
 

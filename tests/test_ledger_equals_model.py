@@ -37,7 +37,7 @@ from megatron.model import GPTNeoX, unit_parameter_counts
 from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.analytic.comm_model import (CommSpec, padded_unit_numels, predict_ledger, predict_ledger_per_rank, transformer_block_units)
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.analytic.memory_model import predict_model_state_bytes
 from test_engine import LR, OPT
 

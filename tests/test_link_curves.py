@@ -9,7 +9,7 @@ import pytest
 from megatron.topology.layout import ShardLayout
 from megatron.topology import Topology
 from megatron.analytic.comm_model import CommModelError, CommSpec
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.names import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
 from megatron.analytic.deepspeed_model import DeepSpeedSettings, deepspeed_collectives
 from megatron.analytic.figure_sets import FIGURE_SETS, SOURCES, Assumptions, frontier_curves

@@ -75,7 +75,7 @@ def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""
     from megatron.analytic.comm_model import CommSpec
-    from megatron.ops.quant.spec import QuantSpec
+    from megatron.config.quant_spec import QuantSpec
     peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2))
     # states: weights 680/2 x 2 = 680, accumulator 680/4 x 4 = 680, master 85 x 4 = 340, moments 680
     # build: the 240-unit's fp32 parameters on the host (P x 4), its fp32 staging and bf16 flat

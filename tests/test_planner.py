@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, run_deepy, tiny_run_config
 from megatron.config import ConfigError, load_config
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.analytic.planner import (PlanInputs, apply_plan, candidate_layouts, plan_for_config, planned_config,
                                         search)
 from megatron.analytic.hardware import Device, Hardware, TierLink

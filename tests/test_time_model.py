@@ -12,7 +12,7 @@ import pytest
 
 from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import CommModelError, CommSpec, bytes_by_tier, predict_ledger
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.names import ALL_GATHER, REDUCE_SCATTER
 from megatron.topology.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
 from megatron.analytic.hardware import PROBE_FORMAT, Device, Hardware, TierLink

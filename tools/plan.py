@@ -28,7 +28,7 @@ from megatron.topology import Topology
 from megatron.analytic.comm_model import CommModelError
 from megatron.analytic.figure_sets import FIGURE_SET_NAMES
 from megatron.analytic.model_inputs import figure_set_of, figures_note, padded_vocab_of
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.analytic.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,
                                         search)
 from megatron.analytic.hardware import Hardware

@@ -1,7 +1,7 @@
 // Block quantization CPU kernels: INT8 and packed INT4, one fp32 scale per block.
 //
 // Registered with TORCH_LIBRARY as torch.ops.neox_quant.{quantize, dequantize, reduce_requantize,
-// dequantize_sum}; loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
+// dequantize_sum, hadamard}; loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
 // documented in megatron/ops/quant/base.py; every result here must equal the torch reference
 // (megatron/ops/quant/reference.py) bit for bit, which is why the build must not use -ffast-math
 // (it would allow reciprocal division and reassociation) and uses -ffp-contract=off (a fused
@@ -250,6 +250,34 @@ std::tuple<at::Tensor, at::Tensor> reduce_requantize(const at::Tensor& codes_k,
   return {codes, scales};
 }
 
+// The blockwise orthonormal Walsh-Hadamard transform (base.py, "Rotation"): butterfly stages in
+// increasing stride, (u, v) -> (u + v, u - v) in fp32, then one multiply by `scale`. Adds and
+// subtracts round the same however the compiler vectorizes them, so the bits equal the reference's.
+at::Tensor hadamard(const at::Tensor& x, int64_t block, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "hadamard: x must be a contiguous 1-D float32 tensor");
+  const int64_t n_blocks = x.numel() / block;
+  at::Tensor out = x.clone();
+  float* data = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, n_blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* v = data + b * block;
+      for (int64_t half = 1; half < block; half *= 2) {
+        for (int64_t start = 0; start < block; start += 2 * half) {
+          for (int64_t i = start; i < start + half; ++i) {
+            const float u = v[i], w = v[i + half];
+            v[i] = u + w;
+            v[i + half] = u - w;
+          }
+        }
+      }
+      for (int64_t i = 0; i < block; ++i) v[i] = v[i] * s;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(neox_quant, m) {
@@ -258,6 +286,7 @@ TORCH_LIBRARY(neox_quant, m) {
   m.def("dequantize_sum(Tensor codes, Tensor scales, int k, int bits, int block) -> Tensor");
   m.def("reduce_requantize(Tensor codes, Tensor scales, int k, int bits, int block,"
         " Tensor(a!)? residual=None) -> (Tensor, Tensor)");
+  m.def("hadamard(Tensor x, int block, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(neox_quant, CPU, m) {
@@ -265,4 +294,5 @@ TORCH_LIBRARY_IMPL(neox_quant, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("dequantize_sum", &dequantize_sum);
   m.impl("reduce_requantize", &reduce_requantize);
+  m.impl("hadamard", &hadamard);
 }

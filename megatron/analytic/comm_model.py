@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.config.errors import ConfigError
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.layout import ShardLayout
 from megatron.topology.names import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, STEP_PHASES, TIERS_BY_DEPTH
 
@@ -79,6 +79,9 @@ class CommSpec:
     """Most elements of one gradient-reduction piece (reduce_bucket_size). Memory only."""
     quant: QuantSpec = field(default_factory=QuantSpec)
     """Quantized collectives: effective bits per phase, block size, error feedback (default: none)."""
+    full_refresh: bool = False
+    """With weight deltas (quant.weight_delta_bits): this step's refresh sends the weights themselves
+    (every weight_delta_full_refresh_interval steps), not their change."""
     cross_node_reduction: str = "reduce_scatter"
     """The ladder's step-boundary cross hop: reduce_scatter of the S/g accumulator (ours; quantized when
     quant.cross_node_grad_bits > 0), or all_reduce of it, unquantized, each member keeping its S/os
@@ -129,6 +132,8 @@ def _validate(spec: CommSpec) -> None:
         raise CommModelError("loss_vector_len, eval_loss_vector_len and ledger_vector_len must be >= 1")
     if not isinstance(spec.quant, QuantSpec):
         raise CommModelError(f"quant must be a QuantSpec; got {type(spec.quant).__name__}")
+    if spec.quant.weight_delta_bits and spec.layout.hpz:
+        raise CommModelError("weight deltas need a ladder layout (a refresh across the cross group); zeropp has none")
     if spec.cross_node_reduction not in CROSS_NODE_REDUCTIONS:
         raise CommModelError(f"cross_node_reduction must be one of {', '.join(CROSS_NODE_REDUCTIONS)}; "
                              f"got {spec.cross_node_reduction!r}")
@@ -252,6 +257,24 @@ def _reduce(phase: str, group: str, numel: int, k: int, elem_bytes: int, bits: i
     return Collective(phase, REDUCE_SCATTER, group, numel, elem_bytes, count, unit)
 
 
+ROTATION_PASS_BYTES = 2 * FP32_BYTES  # a Hadamard pass reads and writes each fp32 element once
+
+
+def _with_rotation(chain: list, sizes: list, numel_in: int, numel_out: int, spec: CommSpec) -> list:
+    """A quantized gradient reduction's hops, the first that runs (a group of more than one rank)
+    also charged the Hadamard rotation's two local passes (the chain's input before its first
+    quantization, its fp32 sum after the last hop) as ``copy_bytes`` when the rotation is on."""
+    if spec.quant.gradient_rotation != "hadamard" or not chain[0].bits:
+        return chain
+    for i, k in enumerate(sizes):
+        if k > 1:
+            chain = list(chain)  # per run, as copy_bytes is
+            chain[i] = dataclasses.replace(chain[i], copy_bytes=chain[i].copy_bytes
+                                           + ROTATION_PASS_BYTES * (numel_in + numel_out))
+            return chain
+    return chain
+
+
 def _spans_nodes(kind: str, spec: CommSpec) -> bool:
     """Whether the groups of a kind (all alike) hold ranks of more than one node."""
     first = groups_of_kind(kind, spec)[0]
@@ -270,6 +293,8 @@ def _ladder_collectives(spec: CommSpec) -> list:
     boundary = FP32_BYTES if spec.fp32_allreduce else c
     weight_hop, stride_hop = gradient_hop_bytes("weight", spec), gradient_hop_bytes("stride", spec)
     qs, b = spec.quant, spec.quant.block_size
+    # the refresh's cross hop: the weights' change with weight deltas (but at a full refresh)
+    refresh_bits = qs.weight_delta_bits if qs.weight_delta_bits and not spec.full_refresh else qs.refresh_bits
     out = []
     sizes = padded_unit_numels(spec)
     for u, s in enumerate(sizes):
@@ -282,11 +307,11 @@ def _ladder_collectives(spec: CommSpec) -> list:
         cross_hop = (Collective("cross_grad_reduce", ALL_REDUCE, "cross", s // g, boundary, 1, u)
                      if spec.cross_node_reduction == "all_reduce" else
                      _reduce("cross_grad_reduce", "cross", s // g, os_ // g, boundary, qs.cross_node_grad_bits, b, 1, u))
-        out += [_reduce("grad_reduce", "weight", s, w, weight_hop, qs.grad_reduce_bits, b, a, u),
-                _reduce("grad_reduce", "stride", s // w, g // w, stride_hop, qs.grad_reduce_bits, b, a, u),
-                cross_hop,
+        micro = [_reduce("grad_reduce", "weight", s, w, weight_hop, qs.grad_reduce_bits, b, a, u),
+                 _reduce("grad_reduce", "stride", s // w, g // w, stride_hop, qs.grad_reduce_bits, b, a, u)]
+        out += _with_rotation(micro, [w, g // w], s, s // g, spec) + _with_rotation([cross_hop], [os_ // g], s // g, s // os_, spec) + [
                 Collective("replica_allreduce", ALL_REDUCE, "replica", s // os_, boundary, 1, u),
-                _gather("refresh", "cross", s // g, os_ // g, c, qs.refresh_bits, b, 1, u),
+                _gather("refresh", "cross", s // g, os_ // g, c, refresh_bits, b, 1, u),
                 _gather("refresh", "stride", s // w, g // w, c, 0, b, 1, u)]
     return out
 
@@ -321,8 +346,10 @@ def _zeropp_collectives(spec: CommSpec) -> list:
         out.append(dataclasses.replace(_gather(first, "world", s, n, c, wbits, b, 1, u), copy_bytes=secondary))
         out += [_gather(phase, "node", s, r, c, wbits, b, count, u) for phase, count in later.items() if count]
         if gbits:
-            out += [dataclasses.replace(_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u), copy_bytes=s * c),
-                    _reduce("grad_reduce", "rail", s // r, n // r, c, gbits, b, a, u)]
+            rail_bits = spec.quant.cross_node_grad_bits or gbits  # a qgZ hop cannot run unquantized
+            qgz = [dataclasses.replace(_reduce("grad_reduce", "node", s, r, c, gbits, b, a, u), copy_bytes=s * c),
+                   _reduce("grad_reduce", "rail", s // r, n // r, c, rail_bits, b, a, u)]
+            out += _with_rotation(qgz, [r, n // r], s, s // n, spec)
         else:
             out.append(_reduce("grad_reduce", "world", s, n, gradient_hop_bytes("world", spec), 0, b, a, u))
     return out

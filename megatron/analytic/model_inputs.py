@@ -13,7 +13,7 @@ from megatron.config import pad_vocab_size
 from megatron.model.sizes import unit_flops_per_token, unit_parameter_counts
 from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import CommSpec, transformer_block_units
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 
 
 def padded_vocab_of(cfg) -> Optional[int]:

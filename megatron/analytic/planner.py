@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
 from megatron.topology.errors import TopologyError
 from megatron.analytic.comm_model import CommSpec, transformer_block_units
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
 from megatron.analytic.hardware import Hardware
 from megatron.analytic.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time

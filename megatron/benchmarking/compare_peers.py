@@ -217,7 +217,7 @@ def rank_main(args: argparse.Namespace) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # FIELD_NOTES: gloo's C++ teardown can abort after the result is safe
+        os._exit(code)  # gloo's C++ teardown can abort after the result is safe (seen on 2-core CPU runs)
 
 
 # ----------------------------------------------------------------------------------------- launcher

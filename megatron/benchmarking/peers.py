@@ -15,7 +15,7 @@ accumulation; megatron/benchmarking/compare_peers.py times the same trainers on 
 ``launch`` starts the ranks (bench/peers.py with --rank, through megatron/launch/spawner.py;
 rendezvous through a FileStore in a private folder, so parallel runs never collide on a port); each
 rank writes its result before tearing down the process group and the launcher judges by those files
-(FIELD_NOTES: a teardown that hangs must not lose finished work).
+(gloo's teardown can hang or abort after the work is done: it must not lose finished work).
 DeepSpeed's first start JIT-compiles a shared-memory op, cached under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/neox_topo/torch_extensions``).
 """

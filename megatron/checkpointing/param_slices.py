@@ -15,6 +15,9 @@ from megatron.checkpointing.rank_files import CheckpointError, load_meta, rank_f
 
 FORMAT = "neox_topo/param_slices/1"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+# Pieces of a weight-delta run (zero_quantized_weights_delta) also hold the weights the ranks held,
+# which the deltas were taken against, so a resume on any layout continues from the same weights.
+HELD_WEIGHTS = "weights"
 PER_RANK = "error_feedback"  # an engine-state entry that belongs to one rank, not to the parameters
 
 

@@ -27,7 +27,7 @@ import torch
 
 from megatron.checkpointing.rank_files import CheckpointError, load_meta, rank_file
 from megatron.checkpointing.index import INDEX, open_rank_file, read_index, scan_step
-from megatron.checkpointing.param_slices import STATES
+from megatron.checkpointing.param_slices import HELD_WEIGHTS, STATES
 from megatron.logging.metrics import log_print
 
 
@@ -151,9 +151,9 @@ class CheckpointReader:
         numel = self.numel(name)
         if not 0 <= lo <= hi <= numel:
             raise CheckpointError(f"range [{lo}, {hi}) is outside {name} ({numel} elements)")
-        bad = [k for k in keys if k not in STATES]
+        bad = [k for k in keys if k not in STATES + (HELD_WEIGHTS,)]
         if bad:
-            raise CheckpointError(f"unknown checkpoint state {bad[0]!r}; known: {', '.join(STATES)}")
+            raise CheckpointError(f"unknown checkpoint state {bad[0]!r}; known: {', '.join(STATES + (HELD_WEIGHTS,))}")
         if out is None:
             out = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in keys}
         pos = lo
@@ -166,6 +166,8 @@ class CheckpointReader:
             a, b = pos, min(end, hi)
             piece = self._piece(rank, position, name, offset, length)
             for key in keys:
+                if key not in piece:
+                    raise CheckpointError(f"checkpoint {self.step_dir} holds no {key!r} for {name} (rank {rank}'s piece)")
                 source = piece[key][a - offset: b - offset]
                 out[key][a - lo: b - lo].copy_(source)
                 self.bytes_copied += source.numel() * source.element_size()

@@ -15,6 +15,7 @@ from megatron.config.routing import GROUPS, Routed, yaml_key_of
 from megatron.config.schema import NeoXConfig
 from megatron.topology.allocation import NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch
 from megatron.topology.layout import SINGLE_PROCESS, ZEROPP, ShardLayout
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.errors import TopologyError
 
 CHAR_LEVEL_VOCAB = 512
@@ -301,6 +302,11 @@ def _zero(cfg: NeoXConfig, ctx: _Context, env) -> None:
                         f"set it to {layout.ranks_per_node} or use preset: zeropp")
     z.resolved_factors, z.resolved_preset = list(layout.factors.as_tuple()), layout.preset
     _cross_node_reduction(z, ctx, layout)
+    if layout.hpz and (z.zero_quantized_weights_delta or z.weight_delta_bits):
+        target = "zero.zero_quantized_weights_delta" if z.zero_quantized_weights_delta else "zero.weight_delta_bits"
+        raise ctx.error(target, "sends the refresh's weight changes across the cross group, which zeropp (hpZ) "
+                        "does not have", "use preset zero_topo (or any [w, g, os]), or turn weight deltas off")
+    QuantSpec.from_config(z)  # bits, block and rotation checked together, here (QuantSpecError: one line)
 
 
 def _cross_node_reduction(z, ctx: _Context, layout: ShardLayout) -> None:

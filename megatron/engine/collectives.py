@@ -48,7 +48,9 @@ class UnitCollectives:
         grad = self.schedule.prepare_gradient(grad.detach().to(self.dtype).reshape(-1))
         bits = self.quant.grad_reduce_bits
         if bits:
-            hops = [(group, unit.residuals.get(name)) for name, group in self.schedule.gradient_hops()]
+            named = self.schedule.gradient_hops()
+            hops = [(group, unit.residuals.get(name)) for name, group in named]
+            widths = [self.schedule.hop_bits(name) for name, _ in named]
         else:  # a hop whose group spans nodes sends the boundary dtype (fp32 with fp32_allreduce)
             hops = [(group, self.boundary_dtype if self._spans_nodes(group) else self.dtype)
                     for _name, group in self.schedule.gradient_hops()]
@@ -56,7 +58,7 @@ class UnitCollectives:
         quantum = self.quant.block_size if bits else 1
         for a, b in column_ranges(grad.numel() // rows, rows, self.bucket_elements, quantum):
             if bits:
-                chain = quantized_piece_chain(self.qcomm, grad, hops, rows, a, b, "grad_reduce", bits,
+                chain = quantized_piece_chain(self.qcomm, grad, hops, rows, a, b, "grad_reduce", widths,
                                               residual_scale=residual_scale)
             else:
                 chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce",
@@ -105,10 +107,14 @@ class UnitCollectives:
             return out
         return chunk
 
-    def refresh(self, unit: FlatUnit, phase: str) -> None:
+    def refresh(self, unit: FlatUnit, phase: str, full: bool = True) -> None:
         """New weight chunk from the master slice: cast, then all-gather across the cross and stride
-        groups (the cross hop as INT8 messages quantized from fp32 when refresh_bits = 8)."""
+        groups (the cross hop as INT8 messages quantized from fp32 when refresh_bits = 8). Not
+        ``full`` with weight deltas on: the cross hop sends the change instead (``_refresh_change``)."""
         cross, stride = self.groups.cross, self.groups.stride
+        if self.quant.weight_delta_bits and cross.size > 1 and not full:
+            self._refresh_change(unit, phase)
+            return
         bits = self.quant.refresh_bits
         if bits and cross.size > 1:
             partial = torch.empty(unit.master.numel() * cross.size, dtype=self.dtype, device=self.device)
@@ -116,6 +122,30 @@ class UnitCollectives:
             self.gather_up(partial, [stride], phase, out=unit.shard)
             return
         self.gather_up(unit.master.to(self.dtype), [cross, stride], phase, out=unit.shard)
+
+    def held_weights(self, unit: FlatUnit, lo: int, hi: int) -> torch.Tensor:
+        """This rank's current weights of the unit's elements [lo, hi) (inside its weight chunk)."""
+        w_lo = unit.weight_range[0]
+        return unit.shard[lo - w_lo: hi - w_lo]
+
+    def _refresh_change(self, unit: FlatUnit, phase: str) -> None:
+        """The weight-delta refresh: every member of the cross group holds the same weights for the
+        unit's S/g range (its weight chunk holds that range); each sends the INT4/INT8 change of its
+        1/os slice against them (master - held), and every member adds all the dequantized changes
+        to what it holds, in fp32, then casts: the same bits everywhere, no copy kept besides the
+        weights themselves. The stride hop then spreads the new S/g range as usual."""
+        held = self.held_weights(unit, *unit.grad_range).float()
+        o_lo, o_hi = unit.opt_range
+        g_lo = unit.grad_range[0]
+        change = unit.master - held[o_lo - g_lo: o_hi - g_lo]
+        changes = torch.empty_like(held)
+        self.qcomm.gather(changes, change, self.groups.cross, phase, self.quant.weight_delta_bits)
+        self.gather_up((held + changes).to(self.dtype), [self.groups.stride], phase, out=unit.shard)
+
+    def rebuild_weights(self, unit: FlatUnit, weights: torch.Tensor, phase: str) -> None:
+        """The weight chunk from this rank's 1/os slice of saved weights (a weight-delta run's,
+        ``weights`` fp32): all-gathered up the cross and stride groups in the compute dtype."""
+        self.gather_up(weights.to(self.dtype), [self.groups.cross, self.groups.stride], phase, out=unit.shard)
 
     def refreshed_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """``weights`` (fp32, whole blocks) as a refresh delivers them: INT8-roundtripped when the

@@ -8,7 +8,7 @@ A group of one rank issues nothing and records nothing (a local copy keeps the s
 
 Which algorithm runs is ``megatron.topology.algorithms.collective_algorithm``'s choice, the one the
 step-time model predicts with. Reduce-scatter of CPU tensors (gloo) is ours, not gloo's: gloo's reduce-scatter all-reduces the
-whole buffer and keeps a slice, 2x the ring's bytes on the wire (FIELD_NOTES). A group whose members
+whole buffer and keeps a slice, 2x the ring's bytes on the wire (docs/engine.md, "Bytes charged"). A group whose members
 all talk over one tier (a node's ranks, the cross-node group of one rank per node) does one
 all-to-all and sums the k received chunks locally in fp32: the ring's bytes per tier, one
 collective, asynchronous. A group spanning tiers (ZeRO-3's world group on several nodes) runs the

@@ -55,7 +55,7 @@ def ladder_chain(comm: Communicator, grad: torch.Tensor, groups: list[RankGroup]
 
 
 def quantized_piece_chain(qcomm, grad: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]],
-                          rows: int, a: int, b: int, phase: str, bits: int, residual_scale: float) -> Chain:
+                          rows: int, a: int, b: int, phase: str, bits, residual_scale: float) -> Chain:
     """Columns [a, b) of ``grad`` (``rows`` rows) through ``qcomm.reduce_chain``. Each hop's residual
     is cut the same way: hop i's input has rows / (k_0 ... k_{i-1}) rows of the same columns. A cut
     that is not contiguous is reduced in a copy, written back once the chain is done. The piece is

@@ -1,6 +1,6 @@
 """Quantized collectives of the engine (docs/engine.md, "Quantized collectives").
 
-- The bits of every quantizable phase come from the run's ``megatron.ops.quant.spec.QuantSpec``.
+- The bits of every quantizable phase come from the run's ``megatron.config.quant_spec.QuantSpec``.
 - Messages: a chunk of n elements travels as ONE uint8 buffer, its codes (n bytes at 8 bits, n/2 at
   4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent.
 - ``QuantizedCollectives``: the weight gather (quantize own chunk, allgather messages, every member
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megatron.ops.quant import QuantizationError, codes_numel, get_quantizer
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.groups import RankGroup
 from megatron.engine.comm import Communicator, Pending
 from megatron.engine.flat_unit import EngineError
@@ -66,6 +66,7 @@ class QuantizedCollectives:
 
     def __init__(self, comm: Communicator, settings: QuantSpec, device: torch.device):
         self.comm, self.settings, self.block = comm, settings, settings.block_size
+        self.rotate_gradients = settings.gradient_rotation == "hadamard"  # gradient reductions only
         self.quantizer = get_quantizer(settings.impl, device)
         # A reduction input held NaN/inf (fp16 overflow): it was sent as zeros so every rank keeps
         # going; the engine turns this into an infinite norm and skips the step.
@@ -135,23 +136,29 @@ class QuantizedCollectives:
 
     # -- reductions -------------------------------------------------------------------------------
     def reduce(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
-               bits: int, residual_scale: float = 1.0) -> torch.Tensor:
+               bits, residual_scale: float = 1.0) -> torch.Tensor:
         """Sum ``x`` over a chain of groups; at each hop this rank keeps the chunk of its member index.
 
         ``hops``: (group, error-feedback residual of that hop's input or None), groups of one rank
-        left out by the caller. Each hop is an all-to-all of k messages of n/k elements; between
-        hops the fused dequantize-sum-requantize (which also applies the next hop's residual); the
-        last hop ends in the fp32 sum, which is returned (n / prod(k) elements). Residuals are in
-        unscaled units; ``residual_scale`` is the loss scale ``x`` carries (see ``encode``).
+        left out by the caller; ``bits``: one width for every hop, or one per hop (8 inside a node,
+        4 across nodes). Each hop is an all-to-all of k messages of n/k elements; between hops the
+        fused dequantize-sum-requantize (which also applies the next hop's residual; at a change of
+        width a sum, then a quantization); the last hop ends in the fp32 sum, which is returned (n /
+        prod(k) elements). With the Hadamard rotation the sum is taken in the rotated basis (sums
+        commute with it) and rotated back at the end. Residuals are in unscaled units (rotated
+        ones with the rotation); ``residual_scale`` is the loss scale ``x`` carries (see ``encode``).
         """
         return run_to_end(self.reduce_chain(x, hops, phase, bits, residual_scale))
 
     def reduce_chain(self, x: torch.Tensor, hops: list[tuple[RankGroup, Optional[torch.Tensor]]], phase: str,
-                     bits: int, residual_scale: float = 1.0) -> Chain:
+                     bits, residual_scale: float = 1.0) -> Chain:
         """``reduce`` as a chain (megatron/engine/grad_reduce.py): yields each issued all-to-all."""
         if not hops:
             return x.float()
-        codes, scales = self.encode(x, bits, hops[0][1], residual_scale)
+        widths = [bits] * len(hops) if isinstance(bits, int) else list(bits)
+        if self.rotate_gradients:
+            x = self.quantizer.rotate(x.float().contiguous(), self.block)
+        codes, scales = self.encode(x, widths[0], hops[0][1], residual_scale)
         numel = x.numel()
         for i, (group, _residual) in enumerate(hops):
             send = pack_messages(codes, scales, group.size)
@@ -159,17 +166,22 @@ class QuantizedCollectives:
             _charges, pending = self.comm.start_all_to_all(received, send, group, phase)
             yield pending
             numel //= group.size
-            codes_k, scales_k = unpack_messages(received, group.size, numel, bits, self.block)
-            if i + 1 < len(hops):  # the fused kernel also applies the next hop's residual
+            codes_k, scales_k = unpack_messages(received, group.size, numel, widths[i], self.block)
+            if i + 1 < len(hops):
                 residual = hops[i + 1][1]
+                if widths[i + 1] != widths[i]:  # another width: the sum, then a quantization at it
+                    total = self.quantizer.dequantize_sum(codes_k, scales_k, group.size, widths[i], self.block)
+                    codes, scales = self.encode(total, widths[i + 1], residual, residual_scale)
+                    continue
                 scaled = residual is not None and residual_scale != 1.0
                 if scaled:  # the kernel works in the message's (scaled) units
                     residual.mul_(residual_scale)
-                codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, bits, self.block,
+                codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, widths[i], self.block,
                                                                  residual=residual)
                 if scaled:
                     residual.div_(residual_scale)
-        return self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, bits, self.block)
+        total = self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, widths[-1], self.block)
+        return self.quantizer.rotate(total, self.block) if self.rotate_gradients else total
 
 
 def _chunk_numel(message_nbytes: int, bits: int, block: int) -> int:

@@ -22,7 +22,7 @@ import torch
 from megatron.engine.comm import Communicator, Pending
 from megatron.engine.flat_unit import FlatUnit
 from megatron.engine.quantized import QuantizedCollectives, merge_messages, qgz_swizzle
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 from megatron.topology.groups import ProcessGroups, RankGroup
 from megatron.topology.layout import ShardLayout
 
@@ -50,6 +50,10 @@ class LadderSchedule:
     def prepare_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The unit's gradient as the first hop sends it."""
         return grad
+
+    def hop_bits(self, name: str) -> int:
+        """The width a quantized gradient hop sends (0: the compute dtype)."""
+        return self.quant.grad_reduce_bits
 
     def residual_hops(self) -> list[tuple[str, int]]:
         """Error feedback: (hop name, divisor of S giving the residual's size) of each quantized hop
@@ -89,6 +93,13 @@ class LadderSchedule:
 
 class HpzSchedule(LadderSchedule):
     """ZeRO++ hpZ: the secondary copy and qgZ (module docstring)."""
+
+    def hop_bits(self, name: str) -> int:
+        """qgZ: the node hop at grad_reduce_bits, the rail hop across nodes at cross_node_grad_bits
+        (grad_reduce_bits when that is 0: a qgZ hop cannot run unquantized)."""
+        if name == "rail":
+            return self.quant.cross_node_grad_bits or self.quant.grad_reduce_bits
+        return self.quant.grad_reduce_bits
 
     def gradient_hops(self) -> list[tuple[str, RankGroup]]:
         if not self.quant.grad_reduce_bits:  # unquantized: the ladder's (weight group = world)

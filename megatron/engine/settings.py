@@ -16,7 +16,7 @@ from megatron.engine.flat_unit import EngineError
 from megatron.engine.grad_reduce import DEFAULT_BUCKET_ELEMENTS
 from megatron.engine.protocol import COMPUTE_DTYPES
 from megatron.loss_scale import LossScaleSettings
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 
 CROSS_NODE_REDUCTIONS = ("reduce_scatter", "all_reduce")  # zero_optimization.cross_node_reduction
 
@@ -31,7 +31,7 @@ class EngineSettings:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     quant: Optional[QuantSpec] = None
-    """Quantized collectives (megatron/ops/quant/spec.py); None: none."""
+    """Quantized collectives (megatron/config/quant_spec.py); None: none."""
     fp32_allreduce: bool = False
     """Every gradient hop across nodes in fp32 (precision.fp32_allreduce)."""
     cross_node_reduction: str = "reduce_scatter"

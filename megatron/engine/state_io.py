@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpointing.param_slices import PER_RANK, check_shapes, make_engine_state
+from megatron.checkpointing.param_slices import HELD_WEIGHTS, PER_RANK, check_shapes, make_engine_state
 from megatron.logging.metrics import log_print
 from megatron.topology.names import MEMORY_CATEGORIES
 from megatron.engine.flat_unit import EngineError, FlatUnit, tensors_within
@@ -42,20 +42,24 @@ def checkpoint_state(engine) -> dict:
     DDP checkpoints are then no larger than the model states)."""
     pieces, shapes = [], {}
     first_replica = engine.groups.replica.index(engine.groups.rank) == 0
+    delta = bool(engine.quant.weight_delta_bits)  # the weights the deltas are taken against travel too
     for unit in engine.units:
         shapes.update({name: shape for name, _offset, _numel, shape in unit.layout()})
         if not first_replica:
             continue
         pos = 0  # the pieces sit back to back from the slice's first element
+        held = engine.collectives.held_weights(unit, *unit.opt_range) if delta else None  # compute dtype: exact
         for name, start, length in unit.slice_map():
             pieces.append({"name": name, "offset": start, "length": length,
                            **{key: getattr(unit, key)[pos:pos + length].detach().cpu().clone()
                               for key in ("master", "exp_avg", "exp_avg_sq")}})
+            if held is not None:
+                pieces[-1][HELD_WEIGHTS] = held[pos:pos + length].cpu().clone()
             pos += length
     # What the layout was, for readers; loading never needs it (any layout loads any checkpoint).
     # preset: ShardLayout's name (checkpoints before it wrote None for explicit factors, now "custom").
     extra = {"loss_scaler": engine.loss_scale.state_dict(), "factors": list(engine.layout.factors.as_tuple()),
-             "preset": engine.layout.preset}
+             "preset": engine.layout.preset, "weight_delta": delta}
     if any(unit.residuals for unit in engine.units):
         extra["error_feedback"] = {"layout": residual_layout(engine), "rank": engine.groups.rank,
                                    "residuals": [{hop: r.detach().cpu().clone() for hop, r in unit.residuals.items()}
@@ -91,6 +95,7 @@ def load_from_reader(engine, reader, weights_only: bool = False) -> None:
     check_shapes(reader.shapes, {name: shape for u in engine.units for name, _o, _n, shape in u.layout()},
                  str(reader.step_dir))
     keys = ("master",) if weights_only else ("master", "exp_avg", "exp_avg_sq")
+    resume_held = bool(engine.quant.weight_delta_bits and reader.shared.get("weight_delta") and not weights_only)
     for unit in engine.units:
         o_lo, o_hi = unit.opt_range
         opt = {key: torch.zeros(o_hi - o_lo, dtype=torch.float32) for key in ("master", "exp_avg", "exp_avg_sq")}
@@ -98,7 +103,13 @@ def load_from_reader(engine, reader, weights_only: bool = False) -> None:
             _read_overlap(reader, slot, o_lo, o_hi, opt, keys)
         for key, values in opt.items():
             getattr(unit, key).copy_(values.to(unit.master.device))
-        engine.collectives.refresh(unit, "checkpoint")  # what every optimizer step ends with
+        if resume_held:  # a weight-delta run continues from the weights it held, not the master's cast
+            held = torch.zeros(o_hi - o_lo, dtype=torch.float32)
+            for slot in unit.slots:
+                _read_overlap(reader, slot, o_lo, o_hi, {HELD_WEIGHTS: held}, (HELD_WEIGHTS,))
+            engine.collectives.rebuild_weights(unit, held.to(unit.master.device), "checkpoint")
+        else:
+            engine.collectives.refresh(unit, "checkpoint")  # what every optimizer step ends with
         _reset_transient(unit)
         for residual in unit.residuals.values():
             residual.zero_()
@@ -142,16 +153,18 @@ def residual_layout(engine) -> dict:
     """What the residuals' shapes and meaning depend on: equal layouts -> restore exactly."""
     q = engine.quant
     return {"world_size": engine.groups.world_size, "factors": list(engine.groups.factors.as_tuple()),
-            "preset": engine.preset, "block": q.block_size, "grad_bits": q.grad_reduce_bits, "cross_bits": q.cross_node_grad_bits,
+            "preset": engine.preset, "block": q.block_size, "grad_bits": q.grad_reduce_bits,
+            "cross_bits": q.cross_node_grad_bits, "rotation": q.gradient_rotation,
             "unit_sizes": [u.size for u in engine.units]}
 
 
 def _saved_layout(saved: Optional[dict]) -> Optional[dict]:
     """A saved residual layout in today's names: explicit factors were saved as preset None before
-    the layout had a name for them ("custom")."""
-    if saved and saved.get("preset") is None:
-        return {**saved, "preset": "custom"}
-    return saved
+    the layout had a name for them ("custom"), and layouts before the gradient rotation existed
+    held unrotated residuals ("none")."""
+    if not saved:
+        return saved
+    return {**saved, "preset": saved.get("preset") or "custom", "rotation": saved.get("rotation", "none")}
 
 
 @torch.no_grad()

@@ -54,6 +54,9 @@ class ZeroTopoEngine:
         if settings.cross_node_reduction == "all_reduce" and self.layout.hpz:
             raise EngineError("zero_optimization.cross_node_reduction 'all_reduce': use reduce_scatter, or all_reduce "
                               "(unquantized: cross_node_grad_bits 0; not with zeropp, no cross group)")
+        if settings.quant.weight_delta_bits and self.layout.hpz:
+            raise EngineError("zero_optimization.zero_quantized_weights_delta needs a ladder layout (a refresh across "
+                              "the cross group); zeropp has no refresh: turn one of the two off")
         if getattr(model, "has_tied_embeddings", False):
             raise EngineError("the model ties its input and output embeddings across two units; "
                               "set no_weight_tying: true to train with the ZeRO-topo engine")
@@ -203,8 +206,10 @@ class ZeroTopoEngine:
         if finite:
             clip_(grads, norm, self.gradient_clipping)
             self.optimizer.step(self.units, grads, lr)
+            interval = self.quant.weight_delta_full_refresh_interval
+            full = not self.quant.weight_delta_bits or bool(interval and self.step_count % interval == 0)
             for unit in self.units:
-                self.collectives.refresh(unit, "refresh")
+                self.collectives.refresh(unit, "refresh", full=full)
         else:
             self._reset_residuals()
         self.loss_scale.update(finite)

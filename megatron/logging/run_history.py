@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from megatron.topology.layout import display_name
-from megatron.ops.quant.spec import QuantSpec
+from megatron.config.quant_spec import QuantSpec
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_LOSS = "train/lm_loss"

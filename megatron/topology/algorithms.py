@@ -7,7 +7,7 @@ every pair of the group's members talks over one tier.
 - all-gather and all-reduce: the backend's ring (NCCL/RCCL and gloo both).
 - all-to-all: k - 1 messages per rank.
 - reduce-scatter: NCCL/RCCL's own ring. On gloo (CPU tensors) ours, since gloo's reduce-scatter
-  all-reduces the whole buffer and keeps a slice (FIELD_NOTES): inside one tier an all-to-all and a
+  all-reduces the whole buffer and keeps a slice (docs/engine.md, "Bytes charged"): inside one tier an all-to-all and a
   local fp32 sum (the ring's bytes per tier, one asynchronous collective); across tiers a ring of
   k - 1 send/receive steps that finishes before the call returns (only its two node-boundary hops
   cross nodes).

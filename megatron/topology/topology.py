@@ -38,7 +38,8 @@ class RankCoords:
     gcd: int
 
 
-# Per-link figures by tier name (public vendor numbers; see FIELD_NOTES). Simulated layouts use the
+# Per-link figures by tier name (public vendor numbers: OLCF's Frontier node diagram, Slingshot-11's
+# 25 GB/s per NIC). Simulated layouts use the
 # Frontier figures so the planner and the comm model give Frontier-like times on a laptop.
 FRONTIER_LINKS = {
     "intra_gpu": dict(bandwidth_gbs=200.0, latency_us=1.0),   # the two GCDs of one MI250X package

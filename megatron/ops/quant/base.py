@@ -12,6 +12,14 @@ Format (identical in every implementation, checked bit for bit against `referenc
 - dequantized value = code * scale in fp32, then cast to the requested dtype;
 - a block whose amax is NaN or inf is refused with `QuantizationError`, never encoded.
 
+Rotation (``rotate``, for ``zero_quantized_gradients_rotation: hadamard``): each block of b
+elements (b a power of two) is multiplied by the orthonormal Walsh-Hadamard matrix H_b / sqrt(b),
+which spreads an outlier over the whole block before the block's scale is taken. Computed the same
+way everywhere, so every implementation gives the same bits: log2(b) butterfly stages, stage s
+pairing elements i and i + 2^s inside each group of 2^(s+1) as (u, v) -> (u + v, u - v) in fp32,
+stages in increasing s, then one multiply by the fp32 constant ``rotation_scale(b)``. The matrix
+is its own inverse, so rotating twice gives back the input up to fp32 rounding.
+
 `Quantizer` validates arguments once, here, and leaves the arithmetic to its subclasses.
 """
 from __future__ import annotations
@@ -67,6 +75,17 @@ def padded_numel(n: int, block: int, multiple: int = 1) -> int:
             f"multiple={multiple}")
     unit = block * multiple
     return -(-n // unit) * unit
+
+
+def check_rotation_block(block: int) -> None:
+    """A rotation block must be a power of two of at least 2 elements."""
+    if not isinstance(block, int) or block < 2 or block & (block - 1):
+        raise QuantizationError(f"a Hadamard rotation needs a power-of-two block >= 2, got {block!r}")
+
+
+def rotation_scale(block: int) -> float:
+    """fp32(1 / sqrt(block)): exact for blocks that are powers of four."""
+    return float(torch.tensor(block, dtype=torch.float64).rsqrt().to(torch.float32))
 
 
 def check_block(bits: int, block: int) -> None:
@@ -193,6 +212,16 @@ class Quantizer:
         _check_codes(codes_k, scales_k, bits, block, k)
         return self._dequantize_sum(codes_k, scales_k, k, bits, block)
 
+    def rotate(self, x: Tensor, block: int) -> Tensor:
+        """The blockwise orthonormal Walsh-Hadamard transform of fp32 ``x`` (module docstring); a new
+        fp32 tensor. Its own inverse: ``rotate(rotate(x))`` is ``x`` up to fp32 rounding."""
+        check_rotation_block(block)
+        _check_flat(x, "x")
+        if x.dtype != torch.float32:
+            raise QuantizationError(f"rotate takes float32, got {x.dtype}")
+        _check_numel(x.numel(), block, "rotate")
+        return self._rotate(x, block)
+
     # -- implementation hooks -----------------------------------------------------------------
     def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -207,6 +236,9 @@ class Quantizer:
 
     def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
                         block: int) -> Tensor:
+        raise NotImplementedError
+
+    def _rotate(self, x: Tensor, block: int) -> Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:

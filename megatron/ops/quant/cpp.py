@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import Quantizer, QuantizationError
+from .base import Quantizer, QuantizationError, rotation_scale
 
 LIBRARY = "neox_quant"
 SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "quantization" / "quant_cpu.cpp"
@@ -141,3 +141,7 @@ class CppQuantizer(Quantizer):
         _require_cpu(codes_k)
         codes, scales = self._ops.reduce_requantize(codes_k, scales_k, k, bits, block, residual)
         return codes, scales
+
+    def _rotate(self, x: Tensor, block: int) -> Tensor:
+        _require_cpu(x)
+        return self._ops.hadamard(x, block, rotation_scale(block))

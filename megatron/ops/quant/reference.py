@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import Quantizer, qmax
+from .base import Quantizer, qmax, rotation_scale
 
 
 def pack_int4(codes: Tensor) -> Tensor:
@@ -42,6 +42,18 @@ def decode_blocks(codes: Tensor, scales: Tensor, bits: int, block: int) -> Tenso
     """(flat codes, scales) -> fp32 blocks [nb, block], value = code * scale."""
     values = codes if bits == 8 else unpack_int4(codes)
     return values.to(torch.float32).view(-1, block) * scales[:, None]
+
+
+def hadamard_blocks(x: Tensor, block: int) -> Tensor:
+    """fp32 x -> its blockwise H_b x / sqrt(b): the butterfly stages in order, then the scale."""
+    y = x.view(-1, block)
+    half = 1
+    while half < block:
+        pairs = y.view(y.shape[0], block // (2 * half), 2, half)
+        first, second = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([first + second, first - second], dim=2).view(-1, block)
+        half *= 2
+    return (y * torch.tensor(rotation_scale(block), dtype=torch.float32, device=x.device)).view(-1)
 
 
 class ReferenceQuantizer(Quantizer):
@@ -77,3 +89,5 @@ class ReferenceQuantizer(Quantizer):
             residual.copy_(total - decode_blocks(codes, scales, bits, block).view(-1))
         return codes, scales
 
+    def _rotate(self, x: Tensor, block: int) -> Tensor:
+        return hadamard_blocks(x, block)

@@ -173,6 +173,9 @@ def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device
         "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
         reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
     problems.append(_refuses_non_finite(quantizer, x, bits, block))
+    if block & (block - 1) == 0:  # the Hadamard rotation of gradient blocks (power-of-two blocks only)
+        xf = x.to(torch.float32)
+        problems.append(_bitwise_mismatch("rotate", quantizer.rotate(xf, block), reference.rotate(xf, block)))
     return [p for p in problems if p is not None]
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from .base import Quantizer, QuantizationError, codes_dtype, qmax
+from .base import Quantizer, QuantizationError, codes_dtype, qmax, rotation_scale
 
 ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
@@ -195,6 +195,21 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
         tl.store(base + 1, acc_hi, mask=mask)
 
 
+@triton.jit
+def _hadamard_kernel(x_ptr, out_ptr, scale, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """One block: the butterfly stages in increasing stride ((u, v) -> (u + v, u - v)), each as a
+    reshape that puts the two partners of every pair side by side, then the scale (base.py)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + b * BLOCK + offs)
+    for stage in tl.static_range(LOG2_BLOCK):
+        half: tl.constexpr = 1 << stage
+        pairs = tl.permute(tl.reshape(v, [BLOCK // (2 * half), 2, half]), [0, 2, 1])
+        first, second = tl.split(pairs)
+        v = tl.reshape(tl.permute(tl.join(first + second, first - second), [0, 2, 1]), [BLOCK])
+    tl.store(out_ptr + b * BLOCK + offs, v * scale)
+
+
 def interpreter_active() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -267,3 +282,11 @@ class TritonQuantizer(Quantizer):
     def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
                         block: int) -> Tensor:
         return self._reduce(codes_k, scales_k, k, bits, block, requantize=False)[2]
+
+    def _rotate(self, x: Tensor, block: int) -> Tensor:
+        self._check_device(x)
+        out = torch.empty_like(x)
+        n_blocks = x.numel() // block
+        if n_blocks:
+            _hadamard_kernel[(n_blocks,)](x, out, rotation_scale(block), block, block.bit_length() - 1)
+        return out
