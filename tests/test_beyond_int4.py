@@ -190,3 +190,23 @@ def test_a_resume_rebuilds_the_weights_held_at_the_save_on_any_layout(runs, tmp_
         assert torch.equal(got[:n], want[:n]) and not want[n:].any() and not got[n:].any()
     if loaded[0]["more"]:  # the same layout: the rest of the run exactly as if it had never stopped
         assert loaded[0]["more"] == [record["loss"] for record in runs[0]["delta4"]["steps"][SAVED_AT:]]
+
+
+def test_the_quantization_page_holds_the_models_prediction():
+    """docs/quantization.md's 20B table is bench/beyond_int4.py's output (rerun: its --write)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("beyond_int4", repo / "bench" / "beyond_int4.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    page = (repo / "docs" / "quantization.md").read_text()
+    section = page[page.index(bench.BEGIN):page.index(bench.END)]
+    table = bench.table(48, 4, [1, 8], ["nominal", "frontier-measured"])
+    assert table in section, "docs/quantization.md is stale: rerun bench/beyond_int4.py --write docs/quantization.md"
+    rows = [line for line in table.splitlines()[2:]]
+    gb = [float(cell.split(" / ")[2]) for cell in (row.split(" | ")[1] for row in rows)]
+    assert gb[1] < 0.7 * gb[0]  # weight deltas: a third less across nodes than INT8 weights / INT4 gradients

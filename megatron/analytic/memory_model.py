@@ -102,8 +102,10 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
       unit's gradient (S x c) and the reduction's first output (S / w x c) — with overlap_comm, the
       unit gradient autograd is producing plus M = reduce_buckets_in_flight pieces in flight, each
       its input and first output (p x c + p / w x c, p = min(S, bucket)) — plus the activations.
-    - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces, and
-      with error feedback its residuals too (each rank's file carries its own: state_io).
+    - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces (with
+      weight deltas also the weights held, in the compute dtype), and with error feedback its
+      residuals too (each rank's file carries its own: state_io). Weight deltas hold no other state:
+      the weights the changes are taken against are the weight chunk itself.
     - load: the states, plus the checkpoint pages read (the three fp32 optimizer slices of every
       unit, memory-mapped until the load ends: clean file pages, host memory the kernel can
       reclaim, but resident and so in the measured peak), plus the largest unit's staging: its
@@ -117,14 +119,16 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
     sizes = padded_unit_numels(spec)
     largest = max(sizes)
     sharded = w > 1
+    # a piece element: fp32 master and moments, and with weight deltas the weights held (dtype c)
+    piece_bytes = 3 * FP32_BYTES + (c if spec.quant.weight_delta_bits else 0)
     built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + ps[1] * (FP32_BYTES + c))
     terms = {
         "build": {"states": states, "unit being built (host)": built_p * FP32_BYTES,
                   "unit being built (device)": built_s * (FP32_BYTES + c)},
         "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
                  **_reduction_terms(spec, largest), "activations": activations},
-        "save": {"states": states, "checkpoint pieces": 3 * sum(s // os_ for s in sizes) * FP32_BYTES + residuals},
-        "load": {"states": states, "mapped pages": 3 * sum(s // os_ for s in sizes) * FP32_BYTES,
+        "save": {"states": states, "checkpoint pieces": sum(s // os_ for s in sizes) * piece_bytes + residuals},
+        "load": {"states": states, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
                                           + (s // g) * c for s in sizes)},
     }
