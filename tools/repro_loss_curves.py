@@ -66,6 +66,17 @@ RUNS = (
     Run("zero_topo_int8_int4", "configs/repro/zero_topo_int8_int4.yml", 1234),
     Run("zero_topo_int8_int4_ef", "configs/repro/zero_topo_int8_int4_ef.yml", 1234),
 )
+# Issue 28's study (--study beyond_int4): the baseline and INT8/INT4 with each new option alone and
+# together, every one at two seeds, so a gap can be read in units of the seed spread; run long
+# enough to show drift (--steps 400: four times the recipe's 100).
+STUDIES = {"beyond_int4": tuple(
+    Run(f"{stem}_s{i}", config, seed)
+    for stem, config in (("zero3", "configs/zero3.yml"),
+                         ("zero_topo_int8_int4", "configs/repro/zero_topo_int8_int4.yml"),
+                         ("zero_topo_int8_int4_delta", "configs/repro/zero_topo_int8_int4_delta.yml"),
+                         ("zero_topo_int8_int4_rotation", "configs/repro/zero_topo_int8_int4_rotation.yml"),
+                         ("zero_topo_int8_int4_delta_rotation", "configs/repro/zero_topo_int8_int4_delta_rotation.yml"))
+    for i, seed in ((1, 1234), (2, 4321)))}
 BASELINE = "zero3_s1"
 NOISE_RUNS = ("zero3_s1", "zero3_s2")
 
@@ -174,8 +185,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None,
                         help=f"optimizer steps per run (default: train_iters of {MODEL}, the full recipe)")
-    parser.add_argument("--runs", nargs="+", choices=[run.name for run in RUNS], default=None,
-                        help="only these runs (default: all five)")
+    parser.add_argument("--runs", nargs="+", choices=sorted({run.name for run in RUNS + STUDIES["beyond_int4"]}),
+                        default=None, help="only these runs (default: all five, or the study's)")
+    parser.add_argument("--study", choices=sorted(STUDIES), default=None,
+                        help="another set of runs: beyond_int4 (issue 28: ten runs, run with --steps 400)")
     parser.add_argument("--layout", default=LAYOUT, help=f"simulated cluster (default {LAYOUT}; configs/sim-2x2.yml: 4 ranks)")
     parser.add_argument("--root", default=None, help=f"where the runs go (default {RUNS_ROOT}/<steps>steps)")
     parser.add_argument("--publish", default=None, type=Path,
@@ -194,7 +207,8 @@ def main(argv=None) -> int:
         print(f"repro: error: {error}", file=sys.stderr)
         return 2
     root = Path(args.root or f"{RUNS_ROOT}/{steps}steps")
-    runs = [run for run in RUNS if args.runs is None or run.name in args.runs]
+    table = STUDIES[args.study] if args.study else RUNS
+    runs = [run for run in table if args.runs is None or run.name in args.runs]
     todo = [run for run in runs if not finished(root / run.name, steps)]
     for run in runs:
         if run not in todo:

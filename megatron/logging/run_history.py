@@ -110,15 +110,22 @@ def preset_label(config: dict) -> str:
         bool(zero.get("zero_quantized_weights")), bool(zero.get("zero_quantized_gradients")),
         bool(zero.get("zero_quantized_refresh")), error_feedback=bool(zero.get("quantization_error_feedback")),
         weight_gather_bits=zero.get("weight_gather_bits"), grad_reduce_bits=zero.get("grad_reduce_bits"),
-        cross_node_grad_bits=zero.get("cross_node_grad_bits"), refresh_bits=zero.get("refresh_bits"))
+        cross_node_grad_bits=zero.get("cross_node_grad_bits"), refresh_bits=zero.get("refresh_bits"),
+        quantized_weights_delta=bool(zero.get("zero_quantized_weights_delta")),
+        weight_delta_bits=zero.get("weight_delta_bits"),
+        gradient_rotation=zero.get("zero_quantized_gradients_rotation") or "none")
     parts = []
     if quant.weight_gather_bits:
         parts.append(f"INT{quant.weight_gather_bits} weights")
     grad_bits = quant.grad_reduce_bits or quant.cross_node_grad_bits
     if grad_bits:
         parts.append(f"INT{grad_bits} grads")
+        if quant.gradient_rotation != "none":
+            parts.append(f"{quant.gradient_rotation} rotation")
         if quant.error_feedback:
             parts.append("error feedback")
+    if quant.weight_delta_bits:
+        parts.append(f"INT{quant.weight_delta_bits} weight deltas")
     return f"{name} ({', '.join(parts)})" if parts else name
 
 
