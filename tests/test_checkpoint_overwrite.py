@@ -4,18 +4,18 @@ save that cannot be written (full disk) is one error, and the previous step stay
 import hashlib
 import json
 import resource
+import shutil
 
 import torch
 
 from conftest import run_deepy, tiny_run_config
 
 
-def _first_run(tmp_path, tiny_corpus, **overrides):
+def _first_run(tmp_path, tiny_corpus, tiny_two_step_save):
+    """The first run's config and save folder: its 2 steps are trained once for every test (conftest)."""
     save = tmp_path / "ck"
-    cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1, save=str(save),
-                          **overrides)
-    first = run_deepy("train.py", str(cfg))
-    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(tiny_two_step_save, save)
+    cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1, save=str(save))
     return cfg, save
 
 
@@ -33,8 +33,8 @@ def _embedding(step_dir):
     return master
 
 
-def test_second_run_into_the_same_save_folder_is_refused_before_training(tmp_path, tiny_corpus):
-    cfg, save = _first_run(tmp_path, tiny_corpus)
+def test_second_run_into_the_same_save_folder_is_refused_before_training(tmp_path, tiny_corpus, tiny_two_step_save):
+    cfg, save = _first_run(tmp_path, tiny_corpus, tiny_two_step_save)
     before = _digests(save)
     second = run_deepy("train.py", str(cfg), "--set", "seed=7", "--set", "lr=1e-3")
     assert second.returncode == 2
@@ -45,8 +45,8 @@ def test_second_run_into_the_same_save_folder_is_refused_before_training(tmp_pat
     assert _digests(save) == before
 
 
-def test_overwrite_replaces_the_step_with_the_new_runs_state(tmp_path, tiny_corpus):
-    cfg, save = _first_run(tmp_path, tiny_corpus)
+def test_overwrite_replaces_the_step_with_the_new_runs_state(tmp_path, tiny_corpus, tiny_two_step_save):
+    cfg, save = _first_run(tmp_path, tiny_corpus, tiny_two_step_save)
     first_weights = _embedding(save / "global_step2")
     second = run_deepy("train.py", str(cfg), "--set", "seed=7", "--set", "overwrite_checkpoints=true")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -57,8 +57,8 @@ def test_overwrite_replaces_the_step_with_the_new_runs_state(tmp_path, tiny_corp
     assert sorted(p.name for p in save.iterdir()) == ["global_step2", "latest"]
 
 
-def test_a_full_disk_during_save_is_one_error_and_keeps_latest(tmp_path, tiny_corpus):
-    cfg, save = _first_run(tmp_path, tiny_corpus)
+def test_a_full_disk_during_save_is_one_error_and_keeps_latest(tmp_path, tiny_corpus, tiny_two_step_save):
+    cfg, save = _first_run(tmp_path, tiny_corpus, tiny_two_step_save)
     before = _digests(save)
     rank_file = (save / "global_step2" / "rank_00000.pt").stat().st_size
 

@@ -75,7 +75,7 @@ def test_tier_between_follows_coordinates():
 
 
 def test_groups_match_the_worked_example():
-    # engine.md / ARCHITECTURE.md: N = 8 as 2 x 2 x 2 with (w, g, os) = (2, 4, 8).
+    # docs/engine.md: N = 8 as 2 x 2 x 2 with (w, g, os) = (2, 4, 8).
     spec = CommSpec(UNITS, ShardLayout.resolve((2, 2, 2), shard_factors=(2, 4, 8)))
     assert groups_of_kind("weight", spec) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert sorted(groups_of_kind("stride", spec)) == [[0, 2], [1, 3], [4, 6], [5, 7]]

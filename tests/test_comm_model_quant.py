@@ -154,7 +154,7 @@ def test_stage1_quantized_cross_hop_is_a_world_all_to_all():
 
 
 def test_zero_topo_bf16_cross_and_refresh_only():
-    # FIELD_NOTES' setting: INT4 cross-node gradients, INT8 refresh, everything else bf16 (c = 2), A = 1.
+    # The paper's setting: INT4 cross-node gradients, INT8 refresh, everything else bf16 (c = 2), A = 1.
     spec = CommSpec(UNITS, ShardLayout.resolve(LAYOUT, preset="zero_topo"), compute_bytes=2,
                     quant=QuantSpec(cross_node_grad_bits=4, refresh_bits=8, block_size=4))
     assert predict_ledger(spec) == {
@@ -312,7 +312,7 @@ def test_all_to_all_link_load():
 
 
 def test_quantized_zero_topo_20b_on_48_nodes():
-    # FIELD_NOTES: INT4 cross-node gradients and INT8 refresh take ZeRO-topo's inter-node bytes from
+    # docs/communication.md: INT4 cross-node gradients and INT8 refresh take ZeRO-topo's inter-node bytes from
     # ~0.49 to ~0.18 x params per GCD per step (47/48 x 1/8 x (0.5 + 1.0 + 8/2048) = 0.1844).
     units = neox_unit_sizes(44, 6144, 64, 50432)
     params, n = sum(units), 384

@@ -288,11 +288,22 @@ RUNS_4 = [{"name": "zero_topo", "preset": "zero_topo"}, {"name": "stage3", "pres
           {"name": "reentrant_recompute", "preset": "zero_topo", "checkpoint_activations": True, "reentrant": True}]
 
 
+def _four_rank_worker(rank: int, world_size: int, layout: list[int], runs: list[dict], steps: int, accum: int,
+                      state_preset: str) -> dict:
+    """The sharded-state round trip, then the runs: one launch for every 4-rank test here."""
+    state = _state_worker(rank, world_size, layout, state_preset)  # first: the last run patches checkpointing
+    return {"runs": _runs_worker(rank, world_size, layout, runs, steps, accum), "state": state}
+
+
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    results = run_ranks("test_engine_dist:_runs_worker", 4, tmp_path_factory.mktemp("four"),
-                        layout=[2, 2], runs=RUNS_4, steps=STEPS, accum=ACCUM)
-    return results, reference_run(4, STEPS, ACCUM)
+def four_rank_launch(tmp_path_factory):
+    return run_ranks("test_engine_dist:_four_rank_worker", 4, tmp_path_factory.mktemp("four"),
+                     layout=[2, 2], runs=RUNS_4, steps=STEPS, accum=ACCUM, state_preset="zero_topo")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_rank_launch):
+    return [r["runs"] for r in four_rank_launch], reference_run(4, STEPS, ACCUM)
 
 
 @pytest.mark.parametrize("name", [r["name"] for r in RUNS_4])
@@ -335,9 +346,22 @@ def test_four_rank_zero_topo_is_2_2_4(four_ranks):
     assert not any(t == "intra_gpu" for _, t in _nonzero(ledger))
 
 
-def test_two_rank_layout_matches_reference(tmp_path):
+def _two_rank_worker(rank: int, world_size: int, layout: list[int], runs: list[dict], steps: int,
+                     accum: int) -> dict:
+    """The runs, then the refused mismatched init (last: it leaves a half-built engine behind)."""
+    return {"runs": _runs_worker(rank, world_size, layout, runs, steps, accum),
+            "mismatched_init": _mismatched_init_worker(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
     runs = [{"name": "zero_topo", "preset": "zero_topo"}, {"name": "stage3", "preset": "stage3"}]
-    results = run_ranks("test_engine_dist:_runs_worker", 2, tmp_path, layout=[2, 1], runs=runs, steps=STEPS, accum=ACCUM)
+    return run_ranks("test_engine_dist:_two_rank_worker", 2, tmp_path_factory.mktemp("two"), layout=[2, 1],
+                     runs=runs, steps=STEPS, accum=ACCUM)
+
+
+def test_two_rank_layout_matches_reference(two_rank_launch):
+    results = [r["runs"] for r in two_rank_launch]
     ref = reference_run(2, STEPS, ACCUM)
     for name in ("zero_topo", "stage3"):
         assert results[0][name]["losses"] == pytest.approx(ref["losses"], abs=TOL)
@@ -358,8 +382,8 @@ def test_compiled_blocks_match_reference(tmp_path):
     assert results[0]["zero_topo_recompute"]["blocks"] == [1, 2]  # the recompute path ran
 
 
-def test_sharded_state_and_cross_layout_load(tmp_path):
-    results = run_ranks("test_engine_dist:_state_worker", 4, tmp_path, layout=[2, 2], preset="zero_topo")
+def test_sharded_state_and_cross_layout_load(four_rank_launch):
+    results = [r["state"] for r in four_rank_launch]
     for r in results:
         assert r["reloaded_equal"]
         assert r["loss_a"] == pytest.approx(r["loss_b"], abs=1e-6)
@@ -368,8 +392,8 @@ def test_sharded_state_and_cross_layout_load(tmp_path):
     assert all(length > 0 for _, _, length in results[1]["saved_pieces"])
 
 
-def test_mismatched_init_is_refused(tmp_path):
-    messages = run_ranks("test_engine_dist:_mismatched_init_worker", 2, tmp_path)
+def test_mismatched_init_is_refused(two_rank_launch):
+    messages = [r["mismatched_init"] for r in two_rank_launch]
     assert all("different weights" in m for m in messages), messages
 
 

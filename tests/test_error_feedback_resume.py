@@ -76,6 +76,24 @@ def _resume_worker(rank: int, world_size: int, step_dir: str, layout: list, pres
     return {"loaded": loaded, "metrics": _steps(engine, rank, MORE), "end": _state(engine)}
 
 
+RESUME_MARK = "--- the next resume: "
+
+
+def _resumes_worker(rank: int, world_size: int, step_dir: str, layout: list, presets: list) -> dict:
+    """One resume per preset in one launch (fresh engines and readers each), in order; each announced
+    by a RESUME_MARK line so that the test can cut the rank's log by resume."""
+    out = {}
+    for preset in presets:
+        print(f"{RESUME_MARK}{preset}", flush=True)
+        out[preset] = _resume_worker(rank, world_size, step_dir, layout, preset)
+    return out
+
+
+def _log_by_resume(log: str) -> dict[str, str]:
+    """The lines of a _resumes_worker log after each RESUME_MARK, by preset."""
+    return dict(part.split("\n", 1) for part in log.split(RESUME_MARK)[1:])  # each mark ends its line
+
+
 def _equal(a, b) -> bool:
     """Nested lists/dicts of tensors and numbers equal bit for bit."""
     if isinstance(a, torch.Tensor):
@@ -97,22 +115,27 @@ def test_error_feedback_residuals_resume_exactly_in_the_same_layout_and_reset_in
     step_dir = saved[0]["step_dir"]
     assert all(_nonzero(r["at_save"]) for r in saved)  # there is something to restore on every rank
 
-    same = run_ranks("test_error_feedback_resume:_resume_worker", 4, tmp_path / "same",
-                     step_dir=step_dir, layout=[2, 2], preset="zero_topo")
+    # Same layout first, on ranks that never saved; then, in the same launch (4 ranks cost seconds to
+    # start), other factors on the same 4 ranks (zeropp).
+    on_four = run_ranks("test_error_feedback_resume:_resumes_worker", 4, tmp_path / "on_four",
+                        step_dir=step_dir, layout=[2, 2], presets=["zero_topo", "zeropp"])
+    logs = _log_by_resume((tmp_path / "on_four" / "rank0.log").read_text())
+    assert list(logs) == ["zero_topo", "zeropp"]
+    same = [r["zero_topo"] for r in on_four]
     for rank, (before, after) in enumerate(zip(saved, same)):
         assert _equal(after["loaded"], before["at_save"]), rank          # this rank's own residuals
         assert after["metrics"] == before["metrics"], (rank, after["metrics"], before["metrics"])
         assert _equal(after["end"], before["end"]), rank                 # as if it had never stopped
-    assert "error-feedback residuals" not in (tmp_path / "same" / "rank0.log").read_text()
+    assert "error-feedback residuals" not in logs["zero_topo"]
 
-    for name, world, layout, preset in (("other_factors", 4, [2, 2], "zeropp"), ("other_world", 2, [2, 1], "zero_topo")):
-        other = run_ranks("test_error_feedback_resume:_resume_worker", world, tmp_path / name,
-                          step_dir=step_dir, layout=layout, preset=preset)
+    other_world = run_ranks("test_error_feedback_resume:_resume_worker", 2, tmp_path / "other_world",
+                            step_dir=step_dir, layout=[2, 1], preset="zero_topo")
+    for name, other, log in (("other_factors", [r["zeropp"] for r in on_four], logs["zeropp"]),
+                             ("other_world", other_world, (tmp_path / "other_world" / "rank0.log").read_text())):
         for rank, result in enumerate(other):
             assert result["loaded"] and all(result["loaded"]), (name, rank)  # this layout keeps residuals...
             assert not _nonzero(result["loaded"]), (name, rank)              # ...and they start from zero
             assert all(math.isfinite(loss) and math.isfinite(norm) for loss, norm in result["metrics"]), name
             assert result["end"]["step"] == SAVED_AT + len(MORE) and _nonzero(result["end"]["residuals"]), name
-        log = (tmp_path / name / "rank0.log").read_text()
         notices = [line for line in log.splitlines() if "error-feedback residuals" in line]
         assert len(notices) == 1 and notices[0].startswith(NOTICE), (name, notices)

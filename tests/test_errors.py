@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_run_config
+from conftest import REPO, run_together, tiny_run_config
 from megatron.launch.exit_codes import SUCCESS, USAGE_ERROR
 
 LAUNCH_LINE = re.compile(r"deepy: \d+ rank\(s\), launcher ")
@@ -158,18 +158,33 @@ DATA_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DATA_MISTAKES))
-def test_data_mistakes_stop_the_rank_in_one_line(tmp_path, tiny_corpus, case):
-    settings = {
-        "truncated-bin": lambda: {"data_path": str(_copy_dataset(tiny_corpus, tmp_path, bin_bytes=1000))},
-        "truncated-idx": lambda: {"data_path": str(_copy_dataset(tiny_corpus, tmp_path, idx_bytes=100))},
-        "other-tokenizer": lambda: {"vocab_file": str(_other_tokenizer(tiny_corpus, tmp_path))},
-        "tokenizer-not-found": lambda: {"vocab_file": str(tmp_path / "nope.json")},
+def _data_mistake_settings(case: str, folder: Path, corpus: Path) -> dict:
+    """The config keys that make the DATA_MISTAKES case `case`, its files written into `folder`."""
+    return {
+        "truncated-bin": lambda: {"data_path": str(_copy_dataset(corpus, folder, bin_bytes=1000))},
+        "truncated-idx": lambda: {"data_path": str(_copy_dataset(corpus, folder, idx_bytes=100))},
+        "other-tokenizer": lambda: {"vocab_file": str(_other_tokenizer(corpus, folder))},
+        "tokenizer-not-found": lambda: {"vocab_file": str(folder / "nope.json")},
         "vocab-size-disagrees": lambda: {"vocab_size": 500},
         "empty-train-split": lambda: {"split": "0,1,0"},
     }[case]()
-    cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=2, eval_iters=0, **settings)
-    proc = deepy("train.py", str(cfg))
+
+
+@pytest.fixture(scope="module")
+def data_mistake_runs(tmp_path_factory, tiny_corpus) -> dict[str, subprocess.CompletedProcess]:
+    """deepy on every DATA_MISTAKES case, the runs at once (each starts a rank of one process)."""
+    configs = {}
+    for case in DATA_MISTAKES:
+        folder = tmp_path_factory.mktemp(case)
+        configs[case] = tiny_run_config(folder, tiny_corpus, train_iters=2, eval_iters=0,
+                                        **_data_mistake_settings(case, folder, tiny_corpus))
+    runs = run_together(*(lambda cfg=cfg: deepy("train.py", str(cfg)) for cfg in configs.values()))
+    return dict(zip(configs, runs))
+
+
+@pytest.mark.parametrize("case", list(DATA_MISTAKES))
+def test_data_mistakes_stop_the_rank_in_one_line(data_mistake_runs, case):
+    proc = data_mistake_runs[case]
     assert_refused(proc, DATA_MISTAKES[case])
     error = first_error_line(proc)
     assert f"deepy: rank 0 exited with code 2 ({error[:60]}" in proc.stderr  # deepy names the rank and repeats it
@@ -188,13 +203,12 @@ def test_the_padded_vocabulary_is_not_the_tokenizers(tmp_path, tiny_corpus):
 # --- checkpoints: a folder `load` cannot use ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory, tiny_corpus):
-    """A config and the checkpoint folder its 2 steps saved."""
+def saved_run(tmp_path_factory, tiny_corpus, tiny_two_step_save):
+    """A config and the checkpoint folder 2 steps of it saved (trained once for the session: conftest;
+    the tests copy it before damaging it)."""
     folder = tmp_path_factory.mktemp("saved_run")
     cfg = tiny_run_config(folder, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1, save=str(folder / "ck"))
-    proc = deepy("train.py", str(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return cfg, folder / "ck"
+    return cfg, tiny_two_step_save
 
 
 def _damage(step: Path, case: str) -> None:
@@ -218,14 +232,28 @@ CHECKPOINT_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CHECKPOINT_MISTAKES))
-def test_a_checkpoint_load_cannot_use_is_one_line(tmp_path, saved_run, case):
+@pytest.fixture(scope="module")
+def checkpoint_mistake_runs(tmp_path_factory, saved_run) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Per CHECKPOINT_MISTAKES case: the damaged copy of the saved run's checkpoints, and deepy loading
+    it (the runs at once, each with a log folder of its own)."""
     cfg, saved = saved_run
-    load = tmp_path / "ck"
-    shutil.copytree(saved, load)
-    _damage(load / "global_step2", case)
-    args, message = CHECKPOINT_MISTAKES[case]
-    proc = deepy("train.py", str(cfg), "--set", f"load={load}", "--set", "train_iters=3", "--set", "save=null", *args)
+    loads, calls = {}, []
+    for case, (args, _) in CHECKPOINT_MISTAKES.items():
+        folder = tmp_path_factory.mktemp(case)
+        load = folder / "ck"
+        shutil.copytree(saved, load)
+        _damage(load / "global_step2", case)
+        loads[case] = load
+        calls.append(lambda load=load, folder=folder, args=args: deepy(
+            "train.py", str(cfg), "--set", f"load={load}", "--set", "train_iters=3", "--set", "save=null",
+            "--set", f"log_dir={folder / 'logs'}", *args))
+    return {case: (load, proc) for (case, load), proc in zip(loads.items(), run_together(*calls))}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_MISTAKES))
+def test_a_checkpoint_load_cannot_use_is_one_line(checkpoint_mistake_runs, case):
+    load, proc = checkpoint_mistake_runs[case]
+    _, message = CHECKPOINT_MISTAKES[case]
     assert_refused(proc, message)
     assert str(load) in first_error_line(proc)
     assert "step 3/" not in proc.stdout

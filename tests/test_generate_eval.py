@@ -3,9 +3,13 @@ a few seconds) to repeat the digits 0123456789, and on the same data trained by 
 
 References, none of them our inference code: the pattern itself; the validation loss the trainer
 logged; the checkpoint read back by the full-tensor path (`assemble_full_state`) into a model
-scored or decoded by plain loops written here."""
+scored or decoded by plain loops written here.
+
+The deepy runs start in two batches (each run keeps one core busy at most, or 4 ranks share both):
+the two trainings at once, then every generate.py and eval.py run at once; the tests judge them."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_deepy
+from conftest import REPO, run_deepy, run_together
 
 PATTERN = "0123456789"
 SIM4_ZERO_TOPO = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero_topo.yml")]
@@ -52,13 +56,48 @@ def run_config(folder: Path, data: str, **overrides) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def trainings(tmp_path_factory) -> dict[str, Path]:
+    """Two run folders (run.yml, logs/metrics.jsonl, ck/), trained at once: "single", 40 steps on one
+    process; "sharded", 12 steps on 4 ZeRO-topo ranks (every tensor split over ranks)."""
+    single, sharded = tmp_path_factory.mktemp("digits"), tmp_path_factory.mktemp("digits_sharded")
+    runs = run_together(
+        lambda: run_deepy("train.py", str(run_config(single, pattern_data(single)))),
+        lambda: run_deepy("train.py", str(run_config(sharded, pattern_data(sharded), train_iters=12, eval_iters=0,
+                                                     train_micro_batch_size_per_gpu=2)), *SIM4_ZERO_TOPO))
+    for result in runs:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return {"single": single, "sharded": sharded}
+
+
+@pytest.fixture(scope="module")
+def trained(trainings) -> Path:
     """A run folder: run.yml, logs/metrics.jsonl, ck/ (step 40), trained on one process."""
-    folder = tmp_path_factory.mktemp("digits")
-    config = run_config(folder, pattern_data(folder))
-    result = run_deepy("train.py", str(config))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder
+    return trainings["single"]
+
+
+@pytest.fixture(scope="module")
+def inference(trainings, tmp_path_factory) -> dict:
+    """Every generate.py and eval.py run of the tests below, at once: name -> (the folder its files
+    are in, the finished run). The eval run only where lm_eval is installed."""
+    trained, sharded = trainings["single"], trainings["sharded"]
+    eval_dir, bad_dir = tmp_path_factory.mktemp("eval"), tmp_path_factory.mktemp("bad_inputs")
+    calls = {
+        "continues": (trained, lambda: generate(trained, ["3456", "890123"])),
+        "sharded": (sharded, lambda: generate(sharded, ["0123", "7"], *SIM4_ZERO_TOPO, tokens=10)),
+        "missing": (bad_dir, lambda: run_deepy(
+            "generate.py", str(trained / "run.yml"), "--set", f"load={bad_dir / 'nothing'}",
+            "--set", "text_gen_type=unconditional")),
+        "no_prompts": (bad_dir, lambda: run_deepy(
+            "generate.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
+            "--set", "text_gen_type=input-file", "--set", f"sample_input_file={bad_dir / 'none.txt'}")),
+        "no_task": (bad_dir, lambda: run_deepy(
+            "eval.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
+            "--set", f"eval_tasks=[{bad_dir / 'none.yaml'}]", "--set", f"eval_results_prefix={bad_dir / 'x'}")),
+    }
+    if importlib.util.find_spec("lm_eval") is not None:
+        calls["eval"] = (eval_dir, lambda: evaluate(trained, eval_dir))
+    runs = run_together(*(call for _, call in calls.values()))
+    return {name: (folder, run) for (name, (folder, _)), run in zip(calls.items(), runs)}
 
 
 def reference_model(step_dir: Path):
@@ -81,29 +120,39 @@ def greedy_by_full_forward(model, prompt: str, steps: int) -> str:
     return bytes(tokens[len(prompt):]).decode()
 
 
-def generate_from_file(folder: Path, prompts: list[str], *configs: str, tokens: int = 12) -> list[dict]:
+def generate(folder: Path, prompts: list[str], *configs: str, tokens: int = 12):
+    """generate.py on the run in `folder`, its prompts from <folder>/prompts.txt (see `generated`)."""
     prompt_file = folder / "prompts.txt"
     prompt_file.write_text("\n".join(prompts) + "\n")
-    result = run_deepy("generate.py", str(folder / "run.yml"), *configs, "--set", f"load={folder / 'ck'}",
-                       "--set", "text_gen_type=input-file", "--set", f"sample_input_file={prompt_file}",
-                       "--set", f"maximum_tokens={tokens}")
+    return run_deepy("generate.py", str(folder / "run.yml"), *configs, "--set", f"load={folder / 'ck'}",
+                     "--set", "text_gen_type=input-file", "--set", f"sample_input_file={prompt_file}",
+                     "--set", f"maximum_tokens={tokens}")
+
+
+def generated(folder: Path, result) -> list[dict]:
+    """The records `generate` wrote for the run in `folder`, once it succeeded."""
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in Path(f"{prompt_file}.output.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in Path(f"{folder / 'prompts.txt'}.output.jsonl").read_text().splitlines()]
 
 
-def test_trained_model_continues_the_pattern(trained):
-    records = generate_from_file(trained, ["3456", "890123"])
+def evaluate(trained: Path, folder: Path):
+    """eval.py on the trained run with the local task; its files (task, HF_HOME, results) in `folder`."""
+    task = local_task(folder)
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(folder / "hf")}
+    return run_deepy("eval.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
+                     "--set", f"eval_tasks=[{task}]", "--set", f"eval_results_prefix={folder / 'digits'}", env=env)
+
+
+def test_trained_model_continues_the_pattern(inference):
+    records = generated(*inference["continues"])
     assert [r["context"] for r in records] == ["3456", "890123"]
     assert records[0]["text"] == "789012345678" and records[1]["text"] == "456789012345"
     assert all(r["length"] == 12 and r["finished"] is False for r in records)
 
 
-def test_eval_perplexity_is_exp_of_the_logged_validation_loss_and_the_harness_matches(trained, tmp_path):
+def test_eval_perplexity_is_exp_of_the_logged_validation_loss_and_the_harness_matches(trained, inference):
     pytest.importorskip("lm_eval")
-    task = local_task(tmp_path)
-    env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf")}
-    result = run_deepy("eval.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
-                       "--set", f"eval_tasks=[{task}]", "--set", f"eval_results_prefix={tmp_path / 'digits'}", env=env)
+    tmp_path, result = inference["eval"]
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("digits_eval_results_*.json")
     results = json.loads(path.read_text())
@@ -152,26 +201,19 @@ def continuation_logprob(model, context: str, continuation: str) -> tuple[float,
     return total, all(int(rows[i].argmax()) == token for i, token in enumerate(cont))
 
 
-def test_sharded_checkpoint_generates_what_its_weights_give(tmp_path):
+def test_sharded_checkpoint_generates_what_its_weights_give(inference):
     """Trained by 4 ZeRO-topo ranks (every tensor split over ranks), generated through deepy with the
     same 4-rank configs: rank 0 generates, the others exit; the tokens are those of the same weights
     read by the full-tensor path and decoded greedily by the plain loop above."""
-    config = run_config(tmp_path, pattern_data(tmp_path), train_iters=12, eval_iters=0, train_micro_batch_size_per_gpu=2)
-    result = run_deepy("train.py", str(config), *SIM4_ZERO_TOPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = generate_from_file(tmp_path, ["0123", "7"], *SIM4_ZERO_TOPO, tokens=10)
+    tmp_path, result = inference["sharded"]
+    records = generated(tmp_path, result)
     model = reference_model(tmp_path / "ck" / "global_step12")
     assert [r["text"] for r in records] == [greedy_by_full_forward(model, p, 10) for p in ("0123", "7")]
 
 
-def test_bad_inputs_are_one_line_errors(trained, tmp_path):
-    missing = run_deepy("generate.py", str(trained / "run.yml"), "--set", f"load={tmp_path / 'nothing'}",
-                        "--set", "text_gen_type=unconditional")
-    no_prompts = run_deepy("generate.py", str(trained / "run.yml"),
-                           "--set", f"load={trained / 'ck'}", "--set", "text_gen_type=input-file",
-                           "--set", f"sample_input_file={tmp_path / 'none.txt'}")
-    no_task = run_deepy("eval.py", str(trained / "run.yml"), "--set", f"load={trained / 'ck'}",
-                        "--set", f"eval_tasks=[{tmp_path / 'none.yaml'}]", "--set", f"eval_results_prefix={tmp_path / 'x'}")
+def test_bad_inputs_are_one_line_errors(inference):
+    tmp_path = inference["missing"][0]
+    missing, no_prompts, no_task = (inference[name][1] for name in ("missing", "no_prompts", "no_task"))
     for result, line in ((missing, f"error: the load folder {tmp_path / 'nothing'} does not exist"),
                          (no_prompts, f"error: sample_input_file {tmp_path / 'none.txt'} does not exist"),
                          (no_task, f"eval_tasks: task file {tmp_path / 'none.yaml'} does not exist")):

@@ -49,7 +49,7 @@ def test_every_preset_on_every_layout(tiers):
 
 # (tiers, preset, rank): (weight chunk of S/w, gradient chunk of S/g, optimizer chunk of S/os)
 CHUNKS = {
-    ((2, 2, 2), "zero_topo", 1): (1, 2, 4), ((2, 2, 2), "zero_topo", 5): (1, 2, 5),  # ARCHITECTURE.md
+    ((2, 2, 2), "zero_topo", 1): (1, 2, 4), ((2, 2, 2), "zero_topo", 5): (1, 2, 5),  # docs/engine.md
     ((2, 2, 2), "zero_topo", 2): (0, 1, 2), ((2, 2, 2), "zero_topo", 7): (1, 3, 7),
     ((2, 2, 2), "hsdp", 6): (2, 2, 2),
     ((2, 4), "zero_topo", 2): (2, 2, 4), ((2, 4), "zero_topo", 5): (1, 1, 3), ((2, 4), "zero_topo", 7): (3, 3, 7),

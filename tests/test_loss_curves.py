@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_deepy, tiny_run_config
+from conftest import REPO, run_deepy, run_together, tiny_run_config
 from megatron.logging.run_history import read_run
 
 TOOL = REPO / "tools" / "loss_curves.py"
@@ -32,16 +32,15 @@ loss_curves = _load_tool()
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, tiny_corpus) -> dict[str, Path]:
-    """Two 6-step single-process runs differing only in seed: the noise pair (~2 s each)."""
-    runs = {}
+    """Two 6-step single-process runs differing only in seed: the noise pair (~2 s each, run at once)."""
+    configs = {}
     for name, seed in (("zero3_s1", 1234), ("zero3_s2", 99)):
         folder = tmp_path_factory.mktemp(name)
-        cfg = tiny_run_config(folder, tiny_corpus, seed=seed, train_iters=STEPS, eval_interval=3, eval_iters=1,
-                              log_interval=1, zero_optimization={"stage": 3})
-        done = run_deepy("train.py", str(cfg), timeout=120)
+        configs[name] = tiny_run_config(folder, tiny_corpus, seed=seed, train_iters=STEPS, eval_interval=3,
+                                        eval_iters=1, log_interval=1, zero_optimization={"stage": 3})
+    for done in run_together(*(lambda c=c: run_deepy("train.py", str(c), timeout=120) for c in configs.values())):
         assert done.returncode == 0, done.stderr[-2000:]
-        runs[name] = folder / "logs"
-    return runs
+    return {name: cfg.parent / "logs" for name, cfg in configs.items()}
 
 
 def records(folder: Path) -> list[dict]:

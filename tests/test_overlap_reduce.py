@@ -24,7 +24,8 @@ from megatron.engine.quantized import QuantSpec
 from test_engine import LR, OPT, build_model, make_batch
 
 LAYOUT, STEPS, ACCUM = [2, 2], 2, 2
-SMALL_BUCKET = 96  # elements: every unit is cut into several pieces (a multiple of the block, 8)
+SMALL_BUCKET = 256  # elements: every unit is cut into 2 to 13 pieces (a multiple of the block, 8); more pieces
+#                    only add collectives (~10 ms each on 2 cores), not cases
 QUANT = QuantSpec(weight_gather_bits=8, grad_reduce_bits=4, cross_node_grad_bits=4, refresh_bits=8, block_size=8, impl="reference")
 CASES = [  # (name, preset, quantization)
     ("zero3", "stage3", None),

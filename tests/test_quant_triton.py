@@ -1,9 +1,10 @@
 """The Triton kernels, run on CPU by the Triton interpreter, bit for bit against the reference.
 
-TRITON_INTERPRET must be set before triton is imported, so the kernels run in one subprocess
-(`python -m megatron.ops.quant check --impl triton --json`) and this process only reads its
-verdict per case; nothing here changes the environment of other tests. Every case is at most a
-few dozen blocks (one interpreted program each).
+TRITON_INTERPRET must be set before triton is imported, so the kernels run in subprocesses
+(`python -m megatron.ops.quant check --impl triton --json`) and this process only reads their
+verdicts per case; nothing here changes the environment of other tests. Every case is at most a
+few dozen blocks (one interpreted program each). The interpreter keeps one core busy: two
+subprocesses, each with every other case, run at once.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_together
 from megatron.ops.quant import get_quantizer
 from megatron.ops.quant.selfcheck import CASES
 
@@ -29,13 +31,21 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, list[str]]:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "megatron.ops.quant", "check", "--impl", "triton",
-         "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    lines = done.stdout.strip().splitlines()
-    if not lines:
-        pytest.fail(f"the interpreted check printed nothing (rc {done.returncode}):\n{done.stderr}")
-    return json.loads(lines[-1])
+    halves = [CASES[0::2], CASES[1::2]]
+
+    def check(cases) -> subprocess.CompletedProcess:
+        names = [arg for case in cases for arg in ("--case", case.name)]
+        return subprocess.run(
+            [sys.executable, "-W", "ignore", "-m", "megatron.ops.quant", "check", "--impl", "triton",
+             "--json", *names], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    results = {}
+    for done in run_together(*(lambda cases=cases: check(cases) for cases in halves)):
+        lines = done.stdout.strip().splitlines()
+        if not lines:
+            pytest.fail(f"the interpreted check printed nothing (rc {done.returncode}):\n{done.stderr}")
+        results.update(json.loads(lines[-1]))
+    return results
 
 
 def test_every_case_ran(interpreted_results):

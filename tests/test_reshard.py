@@ -1,14 +1,18 @@
 """Checkpoints across layouts through deepy.py: exact resume on the simulated 8-rank topology, and
-the reshard chain zero_topo (8 ranks) -> zero3 (4 ranks) -> single process -> zero_topo (8 ranks)."""
+the reshard chain zero_topo (8 ranks) -> zero3 (4 ranks) -> single process -> zero_topo (8 ranks).
 
+The 8-rank runs cost ~15 s each on 2 cores, so both tests judge one set: the reference run, the
+2-step run whose checkpoint starts the chain, and its resumption."""
+
+import shutil
+
+import pytest
 import torch
 
 from conftest import REPO, run_deepy, tiny_run_config, train_losses
 
 SIM8 = [str(REPO / "configs/sim-2x2x2.yml"), str(REPO / "configs/zero_topo.yml")]
 SIM4_ZERO3 = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero3.yml")]
-
-
 
 
 def _run(cfg, *files_and_sets):
@@ -25,12 +29,21 @@ def _config(tmp_path, name, corpus, **overrides):
     return folder, tiny_run_config(folder, corpus, **{**base, **overrides})
 
 
-def test_exact_resume_on_eight_ranks(tmp_path, tiny_corpus):
+@pytest.fixture(scope="module")
+def eight_rank_runs(tmp_path_factory, tiny_corpus):
+    """zero_topo (2, 4, 8) on 8 ranks: 4 steps that never save (the reference), and a run that only
+    knew about 2 steps, saved, then resumed to 4. Returns (reference folder, part folder, resumed run)."""
+    tmp_path = tmp_path_factory.mktemp("reshard")
     full_dir, full = _config(tmp_path, "full", tiny_corpus, train_iters=4)
     _run(full, *SIM8)
     part_dir, part = _config(tmp_path, "part", tiny_corpus, train_iters=2, save=str(tmp_path / "part" / "ck"))
     _run(part, *SIM8)
     resumed = _run(part, *SIM8, "--set", "train_iters=4", "--set", f"load={part_dir / 'ck'}")
+    return full_dir, part_dir, resumed
+
+
+def test_exact_resume_on_eight_ranks(eight_rank_runs):
+    full_dir, part_dir, resumed = eight_rank_runs
     assert "resumed from" in resumed.stdout
     reference, parts = train_losses(full_dir / "logs"), train_losses(part_dir / "logs")
     assert sorted(parts) == [1, 2, 3, 4]
@@ -50,14 +63,15 @@ def _assert_same_state(a, b):
             assert torch.equal(a[key][name], b[key][name]), (key, name)
 
 
-def test_reshard_chain(tmp_path, tiny_corpus):
-    a_dir, a = _config(tmp_path, "a", tiny_corpus, train_iters=4, checkpoint_factor=2,
-                       save=str(tmp_path / "a" / "ck"))
-    _run(a, *SIM8)  # zero_topo (2, 4, 8); its steps 3-4 are the reference for the end of the chain
-    start = a_dir / "ck" / "global_step2"
+def test_reshard_chain(tmp_path, tiny_corpus, eight_rank_runs):
+    full_dir, part_dir, _ = eight_rank_runs
+    # zero_topo (2, 4, 8)'s step 2, in a folder of its own (the resumed run saved step 4 beside it);
+    # the reference's steps 3-4 are what the end of the chain must train
+    start = tmp_path / "start" / "global_step2"
+    shutil.copytree(part_dir / "ck" / "global_step2", start)
+    (start.parent / "latest").write_text("global_step2")
 
     b_dir, b = _config(tmp_path, "b", tiny_corpus, train_iters=2, save=str(tmp_path / "b" / "ck"), load=str(start.parent))
-    (start.parent / "latest").write_text("global_step2")
     _run(b, *SIM4_ZERO3)  # loads at step 2 and saves again under (4, 4, 4)
     _assert_same_state(_state(start), _state(b_dir / "ck" / "global_step2"))
 
@@ -68,7 +82,7 @@ def test_reshard_chain(tmp_path, tiny_corpus):
 
     d_dir, d = _config(tmp_path, "d", tiny_corpus, train_iters=4, load=str(c_dir / "ck"))
     _run(d, *SIM8)  # back to zero_topo on 8 ranks; training continues
-    reference, chained = train_losses(a_dir / "logs"), train_losses(d_dir / "logs")
+    reference, chained = train_losses(full_dir / "logs"), train_losses(d_dir / "logs")
     assert sorted(chained) == [3, 4]
     for it in (3, 4):
         assert abs(chained[it] - reference[it]) < 1e-5, (it, chained[it], reference[it])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import run_deepy, tiny_run_config
+from conftest import run_deepy, run_together, tiny_run_config
 from dist_harness import run_ranks
 from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
@@ -91,25 +91,21 @@ def test_sharded_build_on_four_ranks_holds_the_reference_weights(tmp_path, prese
         assert torch.equal(results[0]["params"][name], param), name
 
 
-def test_load_hf_on_simulated_ranks_starts_where_the_single_process_does(tmp_path, tiny_corpus):
-    from megatron.checkpointing.folders import latest_step_dir
+def test_load_hf_on_simulated_ranks_starts_where_the_single_process_does(tmp_path, tiny_corpus, tiny_trained_step):
     from megatron.checkpointing.hf_io import export_hf
-    first = tmp_path / "a"
-    first.mkdir()
-    cfg = tiny_run_config(first, tiny_corpus, train_iters=3, eval_iters=0, save=str(first / "ck"))
-    assert run_deepy("train.py", str(cfg)).returncode == 0
-    hf = export_hf(latest_step_dir(first / "ck"), tmp_path / "hf")
-    losses = {}
+    hf = export_hf(tiny_trained_step, tmp_path / "hf")  # 3 trained steps (conftest)
+    configs = {}
     for name, extra in (("single", {}), ("sharded", {"topology": {"simulate": [2, 2]},
                                                      "zero_optimization": {"preset": "zero_topo"}})):
         run_dir = tmp_path / name
         run_dir.mkdir()
-        c = tiny_run_config(run_dir, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1, load_hf=str(hf),
-                            train_micro_batch_size_per_gpu=2,
-                            **extra)
-        done = run_deepy("train.py", str(c))
+        configs[name] = tiny_run_config(run_dir, tiny_corpus, train_iters=2, eval_iters=0, log_interval=1,
+                                        load_hf=str(hf), train_micro_batch_size_per_gpu=2, **extra)
+    runs = run_together(*(lambda c=c: run_deepy("train.py", str(c)) for c in configs.values()))
+    losses = {}
+    for name, done in zip(configs, runs):
         assert done.returncode == 0, done.stderr[-2000:]
         losses[name] = [json.loads(line)["train/lm_loss"]
-                        for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+                        for line in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()
                         if "train/lm_loss" in line]
     assert losses["sharded"] == pytest.approx(losses["single"], rel=1e-5, abs=1e-6)

@@ -106,7 +106,7 @@ def test_validate_factors_says_which_divisibility_fails():
 
 
 def test_worked_example_shard_map():
-    """ARCHITECTURE.md: N = 8 as 2 nodes x 2 GPUs x 2 GCDs, (w, g, os) = (2, 4, 8)."""
+    """docs/engine.md: N = 8 as 2 nodes x 2 GPUs x 2 GCDs, (w, g, os) = (2, 4, 8)."""
     table = {  # rank: (weight half, gradient quarter, optimizer eighth)
         0: (0, 0, 0), 1: (1, 2, 4), 2: (0, 1, 2), 3: (1, 3, 6),
         4: (0, 0, 1), 5: (1, 2, 5), 6: (0, 1, 3), 7: (1, 3, 7),

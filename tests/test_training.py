@@ -1,11 +1,14 @@
-"""End-to-end single-process training through deepy.py, and the loop's clear failures."""
+"""End-to-end single-process training through deepy.py, and the loop's clear failures.
+
+Every deepy run of this module starts at once in one fixture (a single-process run keeps one of the
+2 cores busy): the thirty-step run and one run per refusal, each in a folder of its own."""
 import json
 import struct
 
 import numpy as np
 import pytest
 
-from conftest import run_deepy, tiny_run_config
+from conftest import run_deepy, run_together, tiny_run_config
 
 TRAIN_KEYS = {"iteration", "train/lm_loss", "train/learning_rate", "train/grad_norm", "runtime/tokens_per_sec",
               "runtime/flops_per_sec_per_gpu", "runtime/mfu", "runtime/peak_memory_bytes"}
@@ -16,9 +19,70 @@ def _records(log_dir):
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_thirty_steps_loss_falls_metrics_and_checkpoint(tmp_path, tiny_corpus):
-    cfg = tiny_run_config(tmp_path, tiny_corpus, save=str(tmp_path / "ck"), peak_tflops_per_gpu=0.05)
-    result = run_deepy("train.py", str(cfg))
+def _has_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# Each run: (folder, corpus) -> (config, more deepy arguments), its files written into the folder.
+
+def _thirty_steps(folder, corpus):
+    return tiny_run_config(folder, corpus, save=str(folder / "ck"), peak_tflops_per_gpu=0.05), []
+
+
+def _missing_data_file(folder, corpus):
+    return tiny_run_config(folder, corpus, data_path=str(folder / "nothing_text_document")), []
+
+
+def _corrupt_magic(folder, corpus):
+    prefix = folder / "bad_text_document"
+    for ext in (".bin", ".idx"):
+        (prefix.parent / (prefix.name + ext)).write_bytes((corpus / ("stdlib_text_document" + ext)).read_bytes())
+    idx = prefix.parent / (prefix.name + ".idx")
+    idx.write_bytes(b"NOTANIDX\x00" + idx.read_bytes()[9:])
+    return tiny_run_config(folder, corpus, data_path=str(prefix)), []
+
+
+def _token_ids_above_vocab(folder, corpus):
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+    prefix = folder / "big_text_document"
+    with MMapIndexedDatasetBuilder(str(prefix), np.uint16) as builder:
+        for doc in range(40):
+            builder.add_document(list(range(doc, doc + 200)) + [5000])
+    return tiny_run_config(folder, corpus, data_path=str(prefix)), []
+
+
+def _gpu_config_without_gpu(folder, corpus):
+    return tiny_run_config(folder, corpus), ["--set", "device=cuda"]
+
+
+def _unwritable_save_folder(folder, corpus):
+    blocker = folder / "a_file"
+    blocker.write_text("not a folder")
+    return tiny_run_config(folder, corpus, save=str(blocker / "ck"), train_iters=2), []
+
+
+RUNS = {"thirty-steps": _thirty_steps, "missing-data-file": _missing_data_file, "corrupt-magic": _corrupt_magic,
+        "token-ids-above-vocab": _token_ids_above_vocab, "gpu-config-without-gpu": _gpu_config_without_gpu,
+        "unwritable-save-folder": _unwritable_save_folder}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_corpus) -> dict:
+    """Per RUNS name: (its folder, the finished deepy run); the GPU refusal only where no GPU is."""
+    calls = {}
+    for name, make in RUNS.items():
+        if name == "gpu-config-without-gpu" and _has_gpu():
+            continue
+        folder = tmp_path_factory.mktemp(name)
+        cfg, args = make(folder, tiny_corpus)
+        calls[name] = (folder, lambda cfg=cfg, args=args: run_deepy("train.py", str(cfg), *args))
+    done = run_together(*(call for _, call in calls.values()))
+    return {name: (folder, result) for (name, (folder, _)), result in zip(calls.items(), done)}
+
+
+def test_thirty_steps_loss_falls_metrics_and_checkpoint(runs, tiny_corpus):
+    tmp_path, result = runs["thirty-steps"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 30/30" in result.stdout and "ETA" in result.stdout and "tok/s" in result.stdout
     assert "TFLOPS | MFU " in result.stdout and "| mem " in result.stdout
@@ -53,45 +117,27 @@ def _expect_one_line_error(result, *fragments):
         assert fragment in error_lines[0], error_lines[0]
 
 
-def test_missing_data_file(tmp_path, tiny_corpus):
-    cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(tmp_path / "nothing_text_document"))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "missing", "nothing_text_document.idx",
+def test_missing_data_file(runs):
+    _expect_one_line_error(runs["missing-data-file"][1], "missing", "nothing_text_document.idx",
                            "a dataset is a .bin/.idx pair")
 
 
-def test_corrupt_magic(tmp_path, tiny_corpus):
-    prefix = tmp_path / "bad_text_document"
-    for ext in (".bin", ".idx"):
-        (prefix.parent / (prefix.name + ext)).write_bytes((tiny_corpus / ("stdlib_text_document" + ext)).read_bytes())
-    idx = prefix.parent / (prefix.name + ".idx")
-    idx.write_bytes(b"NOTANIDX\x00" + idx.read_bytes()[9:])
-    cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(prefix))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "bad_text_document.idx is not a NeoX/Megatron mmap index")
+def test_corrupt_magic(runs):
+    _expect_one_line_error(runs["corrupt-magic"][1], "bad_text_document.idx is not a NeoX/Megatron mmap index")
 
 
-def test_token_ids_above_vocab(tmp_path, tiny_corpus):
-    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-    prefix = tmp_path / "big_text_document"
-    with MMapIndexedDatasetBuilder(str(prefix), np.uint16) as builder:
-        for doc in range(40):
-            builder.add_document(list(range(doc, doc + 200)) + [5000])
-    cfg = tiny_run_config(tmp_path, tiny_corpus, data_path=str(prefix))
-    _expect_one_line_error(run_deepy("train.py", str(cfg)), "big_text_document.bin: token id 5000",
+def test_token_ids_above_vocab(runs):
+    _expect_one_line_error(runs["token-ids-above-vocab"][1], "big_text_document.bin: token id 5000",
                            "is outside the vocabulary [0, 320)")
 
 
-def test_gpu_config_without_gpu(tmp_path, tiny_corpus):
-    import torch
-    if torch.cuda.is_available():
+def test_gpu_config_without_gpu(runs):
+    if _has_gpu():
         pytest.skip("this machine has a GPU")
-    cfg = tiny_run_config(tmp_path, tiny_corpus)
-    _expect_one_line_error(run_deepy("train.py", str(cfg), "--set", "device=cuda"), "no GPU is visible")
+    _expect_one_line_error(runs["gpu-config-without-gpu"][1], "no GPU is visible")
 
 
-def test_unwritable_save_folder(tmp_path, tiny_corpus):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")
-    cfg = tiny_run_config(tmp_path, tiny_corpus, save=str(blocker / "ck"), train_iters=2)
-    result = run_deepy("train.py", str(cfg))
+def test_unwritable_save_folder(runs):
+    result = runs["unwritable-save-folder"][1]
     _expect_one_line_error(result, "cannot write checkpoints")
     assert "step 1/" not in result.stdout  # refused before training, not after
