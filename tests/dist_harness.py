@@ -1,12 +1,12 @@
 """Run a function on N gloo ranks in fresh processes and collect what each rank returned.
 
-Why it is built this way (gloo under PyTorch 2.13, as measured on this project's CI machines):
-every rank writes its result to a file *before* ``destroy_process_group()``, and the test judges by
-the files, so a teardown that hangs or aborts after the work is done cannot fail a test; the
-process-group timeout is 300 s; ranks rendezvous through a FileStore in the test's temporary folder (no port to collide with other test
-runs on the machine); stragglers are killed after a grace period once all results are in. The failure
-reported is that of the first rank that raised or died without a result (one whose error only says a
-peer is gone counts last).
+Why it is built this way (gloo under PyTorch 2.13, as measured on this project's CI machines): every
+rank writes its result to a file *before* ``destroy_process_group()``, and the test judges by the
+files, so a teardown that hangs or aborts after the work is done cannot fail a test; the
+process-group timeout is 300 s; ranks rendezvous through a FileStore in the test's temporary folder
+(no port to collide with other test runs on the machine); stragglers are killed after a grace period
+once all results are in. The failure reported is that of the first rank that raised or died without
+a result (one whose error only says a peer is gone counts last).
 
 The ranks are forked, not started afresh: torch and torch._dynamo (which torch.optim imports on
 first use) cost ~3 CPU-seconds a process to import, ~12 s of the start of 8 fresh ranks on 2 cores.
