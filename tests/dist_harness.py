@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -171,13 +172,12 @@ class _Zygote:
         if self._processes is not None and os.getpid() == self._owner:
             self._processes.stop(grace_s=2.0)
             self._processes.close()
+            shutil.rmtree(self._mailbox, ignore_errors=True)  # its requests and zygote.log
         self._processes = None
 
 
 _ZYGOTE = _Zygote()
 atexit.register(_ZYGOTE.stop)
-
-
 
 
 def _raised(results_paths: list[Path]) -> dict[int, tuple[float, str]]:
