@@ -23,6 +23,7 @@ from megatron.analytic.hardware import Hardware
 from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
 from megatron.analytic.comm_model import step_collectives
 from megatron.analytic.time_model import collectives_bytes_by_tier, step_time
+from megatron.benchmarking.doc_sections import MissingSection, replace_section
 from megatron.config import load_config
 from megatron.topology import Topology
 
@@ -86,10 +87,10 @@ def main(argv=None) -> int:
     print(text)
     if args.write:
         doc = Path(args.write)
-        body = doc.read_text()
-        if BEGIN not in body:
-            raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to replace")
-        doc.write_text(body[:body.index(BEGIN)] + f"{BEGIN}\n{text}\n{END}" + body[body.index(END) + len(END):])
+        try:
+            doc.write_text(replace_section(doc.read_text(), BEGIN, END, f"\n{text}\n"))
+        except MissingSection as error:
+            raise SystemExit(f"{doc}: {error}") from None
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +35,7 @@ from megatron.analytic.figure_sets import FIGURE_SET_NAMES, Assumptions, frontie
 from megatron.analytic.hardware import Hardware, TierLink
 from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
 from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
+from megatron.benchmarking.doc_sections import MissingSection, replace_section
 from megatron.analytic.time_model import collectives_bytes_by_tier, scaling_efficiency, step_time
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -377,10 +377,10 @@ def write_sections(path: str, sections: dict) -> None:
     """Replace each ``<!-- frontier_model:NAME -->`` ... ``<!-- /frontier_model:NAME -->`` block."""
     text = Path(path).read_text()
     for name, body in sections.items():
-        pattern = re.compile(rf"(<!-- frontier_model:{name} -->\n)(?:.*?\n)?(<!-- /frontier_model:{name} -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"frontier_model: {path} has no <!-- frontier_model:{name} --> section")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        try:
+            text = replace_section(text, f"<!-- frontier_model:{name} -->\n", f"<!-- /frontier_model:{name} -->", body + "\n")
+        except MissingSection as error:
+            raise SystemExit(f"frontier_model: {path}: {error}") from None
     Path(path).write_text(text)
 
 

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron.benchmarking.doc_sections import MissingSection, replace_section
+
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- code-map:begin -->", "<!-- code-map:end -->"
 FIGURE = "figures/imports.png"
@@ -198,9 +200,9 @@ def draw(code: CodeMap, path: Path) -> None:
 def write(doc: Path, code: CodeMap) -> None:
     text = doc.read_text()
     section = markdown(code)
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
+    try:
+        text = replace_section(text, BEGIN, END, section.removeprefix(BEGIN).removesuffix(END))
+    except MissingSection:
         text = text.rstrip() + "\n\n## The code's shape\n\n" + section + "\n"
     doc.write_text(text)
     draw(code, doc.parent / FIGURE)
