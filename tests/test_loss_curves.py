@@ -169,5 +169,50 @@ def test_help_documents_the_table_and_smoothing():
     done = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     for text in ("LABEL=RUN", "--baseline", "--noise-runs", "--smooth", "ema:W", "window:N", "spread",
-                 "--markdown", "OUTPUT.csv", "exit code 2"):
+                 "--markdown", "OUTPUT.csv", "exit code 2", "--group-seeds", "pooled"):
         assert text in done.stdout, text
+
+
+def test_seed_groups_by_hand(tmp_path, capsys):
+    """--group-seeds on hand-written histories: base_s1/s2 and opt_s1/s2 (two seeds each), single
+    (one run, no seed suffix). Final validation losses: base 4.0, 4.2; opt 4.1, 4.5; single 4.3.
+
+    By hand: means 4.1 and 4.3; pooled seed variance ((0.1^2 + 0.1^2) + (0.2^2 + 0.2^2)) / 2 = 0.05 over
+    2 degrees of freedom (single adds none), sigma = 0.2236; opt's gap (4.3 - 4.1) / 4.1 = +4.88%,
+    by seed +2.50% (4.1 vs 4.0) and +7.14% (4.5 vs 4.2), over sigma * sqrt(1/2 + 1/2): +0.89; single's
+    gap +4.88%, over sigma * sqrt(1 + 1/2) = 0.2739: +0.73. At iteration 2 (valid 3.0, 3.2 / 3.3, 3.3 /
+    3.1): opt +6.45%, single 0.00%."""
+    finals = {"base_s1": (3.0, 4.0), "base_s2": (3.2, 4.2), "opt_s1": (3.3, 4.1), "opt_s2": (3.3, 4.5),
+              "single": (3.1, 4.3)}
+    specs = []
+    for label, (early, final) in finals.items():
+        folder = tmp_path / label
+        folder.mkdir()
+        write_records(folder, [{"iteration": 1, "train/lm_loss": 5.0},
+                               {"iteration": 2, "train/lm_loss": 4.5, "validation/lm_loss": early},
+                               {"iteration": 4, "train/lm_loss": 4.0, "validation/lm_loss": final}])
+        specs.append(str(folder))
+    code = loss_curves.main(specs + ["--baseline", "base_s1", "--group-seeds", "--markdown",
+                                     "--output", str(tmp_path / "out" / "curves")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert printed == (tmp_path / "out" / "curves.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): [cell.strip(" |") for cell in line.split(" | ")]
+            for line in printed.splitlines() if line.startswith("| ")}
+    assert rows["base (baseline)"][2:8] == ["2", "4.0000, 4.2000", "4.1000", "+0.00", "s1 +0.00, s2 +0.00", "-"]
+    assert rows["opt"][2:8] == ["2", "4.1000, 4.5000", "4.3000", "+4.88", "s1 +2.50, s2 +7.14", "+0.89"]
+    assert rows["single"][2:8] == ["1", "4.3000", "4.3000", "+4.88", "-", "+0.73"]
+    assert "seed sigma (pooled standard deviation of the final validation loss, 2 degrees of freedom): 0.2236" in printed
+    assert rows["2"][1:] == ["+6.45", "+0.00"] and rows["4"][1:] == ["+4.88", "+4.88"]
+    assert rows["iteration"][1:] == ["opt gap %", "single gap %"]
+
+
+def test_seed_groups_without_two_seeds_say_sigma_is_not_measured(tmp_path):
+    rows = [loss_curves.Final("a_s1", "zero3", 4, None, 4.0, 4.0), loss_curves.Final("b_s1", "zero3", 4, None, 4.0, 4.4),
+            loss_curves.Final("c_s2", "zero3", 4, None, 4.0, None)]  # no validation loss: left out
+    groups, sigma, dof = loss_curves.seed_groups(rows, "a_s1")
+    assert (sigma, dof) == (None, 0) and [g.name for g in groups] == ["a", "b"]
+    assert groups[1].paired_gap_pct == {"s1": pytest.approx(10.0)} and groups[1].gap_in_sigma is None
+    assert "seed sigma: not measured" in loss_curves.group_table(groups, "a", sigma, dof, markdown=False)
+    with pytest.raises(loss_curves.UsageError, match="has no validation loss"):
+        loss_curves.seed_groups(rows, "c_s2")

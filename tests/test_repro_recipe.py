@@ -112,3 +112,19 @@ def test_a_recipe_whose_runs_all_finished_only_redraws(tmp_path, monkeypatch, ca
     assert repro.main(["--steps", "2", "--runs", "zero3_s1", "zero3_s2", "--root", str(tmp_path)]) == 0
     assert drawn == [(["zero3_s1", "zero3_s2"], 2)]
     assert "zero3_s1: finished earlier" in capsys.readouterr().out
+
+
+def test_the_comparison_groups_the_seeds(tmp_path):
+    """compare() runs tools/loss_curves.py for real: the noise pair and the seed groups' tables."""
+    for name, valid in (("zero3_s1", 5.1), ("zero3_s2", 5.3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            f'{{"iteration": 2, "train/lm_loss": 5.0}}\n{{"iteration": 2, "validation/lm_loss": {valid}}}\n')
+    runs = [run for run in repro.RUNS if run.name in ("zero3_s1", "zero3_s2")]
+    assert repro.compare(tmp_path, runs, 2, repro.LAYOUT, None) == 0
+    table = (tmp_path / "loss_curves.md").read_text()
+    assert "noise (spread of the seed runs' final validation loss): 0.2000" in table
+    # two seeds of one setup: sigma = sqrt((0.1^2 + 0.1^2) / 1)
+    assert "seed sigma (pooled standard deviation of the final validation loss, 1 degrees of freedom): 0.1414" in table
+    assert "| zero3 (baseline) | ? | 2 | 5.1000, 5.3000 | 5.2000 | +0.00 | s1 +0.00, s2 +0.00 | - |" in table
+    assert "% above the baseline group" not in table  # no setup but the baseline's: no gaps by evaluation

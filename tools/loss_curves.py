@@ -26,6 +26,20 @@ written to OUTPUT.md):
             "gap / noise" is the validation gap in units of it, and a run is "within noise" when
             |gap| <= noise.
 
+With --group-seeds, runs labelled NAME_s<K> (the same setup at seeds K = 1, 2, ...) form the group
+NAME, and a second table compares groups rather than runs:
+
+  mean      the mean over the group's seeds of the final validation loss;
+  gap %     (group mean - baseline group's mean) / baseline group's mean, in %;
+  by seed   each seed's gap to the baseline's run of the same seed (the same initialisation and
+            data order), in %: a real difference shows the same sign at every seed;
+  sigma     the seed-to-seed standard deviation of the final validation loss, pooled over every
+            group with two or more seeds (the within-group sample variances weighted by their
+            degrees of freedom, sum of n - 1);
+  gap / sigma  the gap of the means over its own standard deviation, sigma * sqrt(1/n + 1/n_base)
+            (n, n_base: the two groups' seed counts); |gap / sigma| below 2 is not a difference
+            that two seeds can show.
+
 Smoothing (--smooth, over logged points, not tokens): ema:W is TensorBoard's debiased exponential
 moving average with weight W in [0, 1) (0.9 ~ the last 10 points); window:N the mean of the last N
 points; none.
@@ -38,10 +52,11 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron.logging.run_history import (TRAIN_LOSS, VALID_LOSS, RunError, RunHistory,
                                           read_run)
@@ -232,6 +247,95 @@ def finals(curves_: Sequence[Curve], baseline: str, noise_runs: Sequence[str], t
     return rows, noise
 
 
+# -- seeds --------------------------------------------------------------------------------------------
+SEED_LABEL = re.compile(r"^(?P<group>.+)_(?P<seed>s\d+)$")
+
+
+def group_of(label: str) -> tuple[str, str]:
+    """``NAME_s<K>`` -> (NAME, "s<K>"); any other label is a group of its own with no seed."""
+    match = SEED_LABEL.match(label)
+    return (match["group"], match["seed"]) if match else (label, "")
+
+
+def _by_seed(by_seed: Dict[str, float]) -> List[str]:
+    return sorted(by_seed, key=lambda seed: int(seed[1:]) if seed else -1)
+
+
+@dataclass
+class SeedGroup:
+    name: str
+    preset: str
+    finals: Dict[str, float]  # seed ("s1") -> the run's final validation loss
+    mean: float
+    gap_pct: Optional[float] = None
+    paired_gap_pct: Optional[Dict[str, float]] = None
+    gap_in_sigma: Optional[float] = None
+
+
+def seed_groups(rows: Sequence[Final], baseline: str) -> tuple[List[SeedGroup], Optional[float], int]:
+    """Runs grouped by label NAME_s<K>; the pooled seed standard deviation and its degrees of freedom.
+
+    Runs without a final validation loss are left out; a label without the suffix is a group of one.
+    """
+    members: Dict[str, Dict[str, Final]] = {}
+    for row in rows:
+        if row.valid is None:
+            continue
+        group, seed = group_of(row.label)
+        members.setdefault(group, {})[seed] = row
+    base_name = group_of(baseline)[0]
+    if base_name not in members:
+        raise UsageError(f"--baseline {baseline!r} has no validation loss: the groups cannot be compared")
+    groups = [SeedGroup(name, next(iter(runs.values())).preset, {seed: r.valid for seed, r in runs.items()},
+                        sum(r.valid for r in runs.values()) / len(runs))
+              for name, runs in members.items()]
+    squares = sum((value - g.mean) ** 2 for g in groups for value in g.finals.values())
+    dof = sum(len(g.finals) - 1 for g in groups)
+    sigma = math.sqrt(squares / dof) if dof else None
+    base = next(g for g in groups if g.name == base_name)
+    for g in groups:
+        g.gap_pct = 100.0 * (g.mean - base.mean) / base.mean
+        g.paired_gap_pct = {seed: 100.0 * (value - base.finals[seed]) / base.finals[seed]
+                            for seed, value in g.finals.items() if seed in base.finals}
+        if sigma and g is not base:
+            g.gap_in_sigma = (g.mean - base.mean) / (sigma * math.sqrt(1 / len(g.finals) + 1 / len(base.finals)))
+    return groups, sigma, dof
+
+
+def gaps_by_evaluation(curves_: Sequence[Curve], baseline: str) -> tuple[List[int], Dict[str, List[float]]]:
+    """At each validation iteration every run logged: each other group's mean validation loss's gap
+    (%) to the baseline group's mean. Shows whether a gap grows with training (drift) or wanders."""
+    members: Dict[str, List[Dict[int, float]]] = {}
+    for c in curves_:
+        if c.valid:
+            members.setdefault(group_of(c.run.label)[0], []).append(dict(zip(c.valid_iterations, c.valid)))
+    iterations = sorted(set.intersection(*(set(v) for runs in members.values() for v in runs))) if members else []
+    means = {name: [sum(v[i] for v in runs) / len(runs) for i in iterations] for name, runs in members.items()}
+    base = means.pop(group_of(baseline)[0], None)
+    if base is None:
+        return [], {}
+    return iterations, {name: [100.0 * (m - b) / b for m, b in zip(values, base)] for name, values in means.items()}
+
+
+def evaluation_table(iterations: Sequence[int], gaps: Dict[str, List[float]], markdown: bool) -> str:
+    names = list(gaps)
+    body = [[str(it)] + [f"{gaps[n][k]:+.2f}" for n in names] for k, it in enumerate(iterations)]
+    return _format(["iteration"] + [f"{n} gap %" for n in names], body,
+                   "each group's mean validation loss over its seeds, % above the baseline group's", markdown)
+
+
+def group_table(groups: Sequence[SeedGroup], baseline_group: str, sigma: Optional[float], dof: int,
+                markdown: bool) -> str:
+    header = ["group", "preset", "seeds", "valid (each seed)", "mean", "gap %", "by seed %", "gap / sigma"]
+    body = [[g.name + (" (baseline)" if g.name == baseline_group else ""), g.preset,
+             str(len(g.finals)), ", ".join(f"{g.finals[s]:.4f}" for s in _by_seed(g.finals)), f"{g.mean:.4f}",
+             f"{g.gap_pct:+.2f}", ", ".join(f"{s} {g.paired_gap_pct[s]:+.2f}" for s in _by_seed(g.paired_gap_pct)) or "-",
+             "-" if g.gap_in_sigma is None else f"{g.gap_in_sigma:+.2f}"] for g in groups]
+    note = (f"seed sigma (pooled standard deviation of the final validation loss, {dof} degrees of "
+            f"freedom): {sigma:.4f}" if sigma else "seed sigma: not measured (no group has two seeds)")
+    return _format(header, body, note, markdown)
+
+
 # -- output -------------------------------------------------------------------------------------------
 def _tokens_text(tokens: Optional[float]) -> str:
     if tokens is None:
@@ -262,6 +366,10 @@ def table(rows: Sequence[Final], baseline: str, noise: Optional[float], smoothin
         body.append(line)
     note = (f"noise (spread of the seed runs' final validation loss): {noise:.4f}" if noise is not None
             else "noise: not measured (give --noise-runs)")
+    return _format(header, body, note, markdown)
+
+
+def _format(header: List[str], body: List[List[str]], note: str, markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -345,6 +453,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline", help="label of the run the gaps are measured from (default: the first run)")
     parser.add_argument("--noise-runs", nargs="+", default=[], metavar="LABEL",
                         help="two or more runs that differ only in seed: their final validation spread is the noise")
+    parser.add_argument("--group-seeds", action="store_true",
+                        help="also compare groups of runs labelled NAME_s<K> by their mean over seeds")
     parser.add_argument("-o", "--output", default="loss_curves",
                         help="writes OUTPUT.png and OUTPUT.csv (and OUTPUT.md with --markdown); default loss_curves")
     parser.add_argument("--smooth", default="ema:0.9", help="ema:W (default ema:0.9), window:N or none")
@@ -369,6 +479,7 @@ def main(argv=None) -> int:
                          args.valid_metric if args.valid_metric in metrics else None, smoothing)
         baseline = args.baseline or runs[0].label
         rows, noise = finals(curves_, baseline, args.noise_runs, tokens)
+        grouped = seed_groups(rows, baseline) if args.group_seeds else None
         output = Path(args.output)
         write_csv(csv_rows(curves_, tokens), output.with_name(output.name + ".csv"))
         plot(curves_, tokens, smoothing, output.with_name(output.name + ".png"), args.title)
@@ -376,6 +487,12 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     text = table(rows, baseline, noise, smoothing, args.markdown)
+    if grouped:
+        groups, sigma, dof = grouped
+        text += "\n" + group_table(groups, group_of(baseline)[0], sigma, dof, args.markdown)
+        iterations, gaps = gaps_by_evaluation(curves_, baseline)
+        if gaps:  # another setup than the baseline's
+            text += "\n" + evaluation_table(iterations, gaps, args.markdown)
     if args.markdown:
         output.with_name(output.name + ".md").write_text(text)
     print(text, end="")

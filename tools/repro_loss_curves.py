@@ -11,7 +11,9 @@ and the NeoX .bin/.idx (megatron/data/demo_corpus.py, built once into data/repro
 below, each `deepy.py train.py configs/repro/model.yml <layout> <preset file>` on the simulated
 2x2x2 cluster (8 gloo ranks; --layout configs/sim-2x2.yml for 4); (3) tools/loss_curves.py draws
 runs/repro/<N>steps/loss_curves.{png,csv,md}: baseline zero3_s1, noise = the spread of zero3_s1 and
-zero3_s2 (the same run but for its seed).
+zero3_s2 (the same run but for its seed), and runs NAME_s<K> grouped by setup (--group-seeds: each
+setup's mean over seeds, its gap in units of the pooled seed standard deviation, its gap at every
+evaluation).
 
 Each run lives in runs/repro/<N>steps/<run>/ (metrics.jsonl, the run's config JSON, train.log with
 its output, checkpoints/). A run that has logged its last step's training and validation loss is not
@@ -166,7 +168,7 @@ def summary(run: Run, folder: Path, wall_s: float, steps_run: int) -> str:
 def compare(root: Path, runs: Sequence[Run], steps: int, layout: str, publish: Optional[Path]) -> int:
     names = [run.name for run in runs]
     cmd = [sys.executable, "tools/loss_curves.py", *[f"{name}={root / name}" for name in names],
-           "--output", str(root / "loss_curves"), "--markdown",
+           "--output", str(root / "loss_curves"), "--markdown", "--group-seeds",
            "--title", f"make repro: {MODEL}, {steps} steps per run, {Path(layout).stem}"]
     if BASELINE in names:
         cmd += ["--baseline", BASELINE]
