@@ -4,7 +4,8 @@
 #   c. pytest -m gpu tests       d. the quantization kernel benchmark (GB/s, % of a device copy)
 #   e. one-device throughput: our step vs Hugging Face eager and torch.compile (1.01B shape)
 #   f. memory: each phase's peak allocation vs the memory model's device terms (one process)
-# Run it directly from anywhere: tools/gpu_check.sh  (PYTHON=... to choose the interpreter).
+# Run it directly from anywhere: tools/gpu_check.sh  (PYTHON=... to choose the interpreter;
+# GPU_CHECK_KEEP=DIR keeps each check's log, the throughput rows as JSON and the summary in DIR).
 # Exit: 0 every check that ran passed, 1 a check failed, 77 no GPU visible (nothing checked).
 # docs/gpu.md describes each check.
 set -uo pipefail
@@ -18,7 +19,17 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-460}
 export PYTHONUNBUFFERED=1  # check output appears as it happens, not when a pipe buffer fills
 START_S=$SECONDS
 LOGS=$(mktemp -d)
-trap 'rm -rf "$LOGS"' EXIT
+KEEP=${GPU_CHECK_KEEP:-}
+# On exit the logs go to GPU_CHECK_KEEP first when it is set: a device loan's output folder then
+# brings back every number, not only the printed tail.
+# shellcheck disable=SC2329  # invoked by the EXIT trap
+keep_logs() {
+    if [[ -n $KEEP ]] && mkdir -p "$KEEP"; then
+        cp "$LOGS"/* "$KEEP"/ 2>/dev/null
+    fi
+    rm -rf "$LOGS"
+}
+trap keep_logs EXIT
 SUMMARY=()
 FAILED=0
 
@@ -151,8 +162,10 @@ else
     record FAIL "f. memory vs model" "$(rc_text), ${ratios:-no zero3 row}"
 fi
 
-echo
-echo "== gpu_check summary ($gpu)"
-printf '%s\n' "${SUMMARY[@]}"
-echo "total $((SECONDS - START_S)) s of a ${BUDGET_S} s budget"
+{
+    echo
+    echo "== gpu_check summary ($gpu)"
+    printf '%s\n' "${SUMMARY[@]}"
+    echo "total $((SECONDS - START_S)) s of a ${BUDGET_S} s budget"
+} | tee "$LOGS/summary.txt"
 exit "$FAILED"
