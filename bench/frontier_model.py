@@ -27,14 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from megatron.config import load_config
-from megatron.model.sizes import activation_bytes, unit_parameter_shapes
+from megatron.model.sizes import unit_parameter_shapes
 from megatron.topology import Topology
 from megatron.analytic.comm_model import groups_of_kind, step_collectives
 from megatron.analytic.deepspeed_model import deepspeed_collectives, on_deepspeed_schedule
 from megatron.analytic.figure_sets import FIGURE_SET_NAMES, Assumptions, frontier_curves
 from megatron.analytic.hardware import Hardware, TierLink
 from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
-from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of, step_work_from_config
+from megatron.analytic.model_inputs import activations_from_config, comm_spec_from_config, padded_vocab_of, step_work_from_config
 from megatron.benchmarking.doc_sections import MissingSection, replace_section
 from megatron.analytic.time_model import collectives_bytes_by_tier, scaling_efficiency, step_time
 
@@ -117,7 +117,7 @@ def predict(model: str, label: str, nodes: int, micro: int, accumulation: int, f
     spec = comm_spec_from_config(cfg, vocab)
     cols = None if coalesced_baselines and CONFIGS[label][2] == "deepspeed" else collectives_of(cfg, spec, label)
     st = step_time(spec, hardware(cfg, figures, probe, variant), step_work_from_config(cfg, vocab), cols)
-    acts = activation_bytes(cfg.model, vocab, micro, spec.compute_bytes)
+    acts = activations_from_config(cfg, vocab)
     per_tier = collectives_bytes_by_tier(spec, cols)
     return {"figures": figures, "model": model, "config": label, "nodes": nodes, "gcds": cfg.topology.world_size,
             "micro_batch": micro, "accumulation": accumulation, "step_s": st.total_s, "tflops": st.tflops_per_device,

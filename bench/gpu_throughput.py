@@ -5,10 +5,12 @@ compiled, on the same shape, weights and batches.
     .venv/bin/python bench/gpu_throughput.py --shape 24,2048,16,2048,4,50432 --steps 10
     .venv/bin/python bench/gpu_throughput.py --device cpu --shape tiny --precision fp32 --rows ours,hf
 
-Rows (``--rows``, in this order):
+Rows (``--rows``; the default runs all but ours_compile_fused_ce), in this order:
   ours           the step `deepy.py train.py` runs on one device: megatron.engine.SingleProcessEngine
                  (fp32 weights, autocast to --precision, AdamW as optimizer.params.fused says, clip 1.0)
-  ours_compile   the same with training.compile (each block's forward through torch.compile)
+  ours_fused_ce  ours with training.fused_cross_entropy (the head's loss chunk by chunk, no whole logits)
+  ours_compile   ours with training.compile (each block's forward through torch.compile)
+  ours_compile_fused_ce  both (not a default row: a third compilation)
   hf             GPTNeoXForCausalLM, the loop a user writes: fp32 weights, autocast, fused AdamW, clip 1.0
   hf_compile     the same with torch.compile(model)
 
@@ -36,13 +38,14 @@ import torch
 
 from megatron.build import compile_blocks
 from megatron.config.schema import ModelConfig, OptimizerConfig
-from megatron.engine import SingleProcessEngine, autocast_dtype_of, lm_loss
+from megatron.engine import SingleProcessEngine, autocast_dtype_of, training_loss_of
 from megatron.logging.memory import peak_rss_bytes, reset_peak
 from megatron.logging.throughput import Throughput, device_peak_flops
 from megatron.model import GPTNeoX
 from megatron.model.sizes import model_flops_per_token
 
-ROWS = ("ours", "ours_compile", "hf", "hf_compile")
+ROWS = ("ours", "ours_fused_ce", "ours_compile", "ours_compile_fused_ce", "hf", "hf_compile")
+DEFAULT_ROWS = tuple(row for row in ROWS if row != "ours_compile_fused_ce")
 # name: (layers, hidden, heads, seq, micro-batch, vocab); all parallel residual, rotary 0.5, untied
 SHAPES = {"1b": (16, 2048, 16, 2048, 8, 50432), "tiny": (2, 64, 4, 64, 2, 512)}
 PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "fp16", "fp32": "fp32"}
@@ -122,9 +125,9 @@ def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], w
     return row
 
 
-def our_step(model: GPTNeoX, precision: str, device: torch.device, fused: bool) -> Callable:
+def our_step(model: GPTNeoX, precision: str, device: torch.device, fused: bool, fused_ce: bool) -> Callable:
     opt = OptimizerConfig(lr=1e-4, weight_decay=0.01, gradient_clipping=1.0, fused=fused)
-    engine = SingleProcessEngine(model, lm_loss, opt, precision, 1, device)
+    engine = SingleProcessEngine(model, training_loss_of(fused_ce), opt, precision, 1, device)
 
     def step(batch: dict) -> torch.Tensor:
         loss = engine.forward_backward(batch)
@@ -173,8 +176,8 @@ def measure(rows: list[str], shape: tuple, precision: str, device: torch.device,
         model = GPTNeoX(cfg, cfg.padded_vocab_size)  # the same initial weights for every row
         if name.startswith("ours"):
             model.to(device)
-            step = our_step(model, precision, device, fused)
-            if name == "ours_compile":
+            step = our_step(model, precision, device, fused, fused_ce=name.endswith("fused_ce"))
+            if name.startswith("ours_compile"):
                 compile_blocks(model)
         else:
             step = hf_step(model, cfg, precision, device, compiled=name == "hf_compile")
@@ -220,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     parser.add_argument("--unfused-adamw", action="store_true", help="our rows with optimizer.params.fused false")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)

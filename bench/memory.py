@@ -29,10 +29,10 @@ import tempfile
 from pathlib import Path
 
 from megatron.config import load_config
-from megatron.model.sizes import activation_bytes, parameter_count
+from megatron.model.sizes import parameter_count
 from megatron.topology import ShardLayout
 from megatron.analytic.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes
-from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
+from megatron.analytic.model_inputs import activations_from_config, comm_spec_from_config, padded_vocab_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,9 +98,7 @@ def measured(log_dir: Path, device: str = "cpu") -> tuple[dict, int]:
 def predicted(files: list[str], sets: list[str], device: str = "cpu") -> dict:
     cfg = load_config([str(REPO / f) for f in files], [s for s in sets if s != "--set"], notices=[])
     vocab = padded_vocab_of(cfg)
-    elem = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
-    acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, elem)
-    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts)
+    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), activations_from_config(cfg, vocab))
     return {phase: device_phase_bytes(terms) if device == "cuda" else terms["total"] for phase, terms in peaks.items()}
 
 
@@ -194,8 +192,7 @@ def print_20b(markdown: bool) -> None:
     env = {"SLURM_JOB_NUM_NODES": "48"}
     cfg = load_config([str(REPO / f) for f in BIG], env=env, notices=[])
     vocab = cfg.model.padded_vocab_size
-    acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, 2)
-    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts)
+    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), activations_from_config(cfg, vocab))
     layout = ShardLayout.from_config(cfg)
     print(f"20B on 48 Frontier nodes ({layout.preset} {layout.factors.as_tuple()}, bf16, "
           f"micro-batch {cfg.training.train_micro_batch_size_per_gpu} x {cfg.model.seq_length} tokens, "

@@ -18,7 +18,7 @@ from megatron.checkpointing.param_slices import check_shapes
 from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
-from megatron.engine import SingleProcessEngine, lm_loss
+from megatron.engine import SingleProcessEngine, training_loss_of
 from megatron.engine.flat_unit import build_slots
 from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
@@ -181,12 +181,13 @@ def compile_blocks(model: GPTNeoX) -> None:
 
 def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
     """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
+    loss_fn = training_loss_of(cfg.training.fused_cross_entropy)
     if not runtime.distributed:
-        return SingleProcessEngine(model, lm_loss, cfg.optimizer, cfg.precision.precision,
+        return SingleProcessEngine(model, loss_fn, cfg.optimizer, cfg.precision.precision,
                            cfg.training.gradient_accumulation_steps, runtime.device,
                            loss_scaling=LossScaleSettings.from_config(cfg.precision))
     from megatron.engine.setup import engine_from_config
-    engine = engine_from_config(cfg, model, lm_loss, runtime.world_size, device=runtime.device,
+    engine = engine_from_config(cfg, model, loss_fn, runtime.world_size, device=runtime.device,
                                 materialize=unit_materializer(model, cfg.checkpoint.load_hf))
     model.to_empty(device=runtime.device)  # what is left outside the units: the rotary tables
     model.init_buffers()

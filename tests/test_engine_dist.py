@@ -15,7 +15,7 @@ from dist_harness import RankFailure, run_ranks
 from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
 from megatron.checkpointing.param_slices import assemble
-from megatron.engine import lm_loss
+from megatron.engine import fused_lm_loss, lm_loss
 from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
@@ -38,7 +38,8 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
               if "factors" in run else ShardLayout.from_topology(topology, preset=run.get("preset")))
     groups = ProcessGroups(topology, layout, rank)
     comm = Communicator(groups)
-    engine = ZeroTopoEngine(model, lm_loss, groups, comm, EngineSettings(optimizer=OPT, precision=run.get("precision", "fp32"), accumulation_steps=accum, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter")))
+    loss_fn = fused_lm_loss if run.get("fused_cross_entropy") else lm_loss
+    engine = ZeroTopoEngine(model, loss_fn, groups, comm, EngineSettings(optimizer=OPT, precision=run.get("precision", "fp32"), accumulation_steps=accum, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter")))
     if run.get("compile"):  # training.compile: after the engine, which swaps the parameters for views
         from megatron.build import compile_blocks
         compile_blocks(model)
@@ -284,6 +285,10 @@ RUNS_4 = [{"name": "zero_topo", "preset": "zero_topo"}, {"name": "stage3", "pres
           {"name": "zeropp", "preset": "zeropp"}, {"name": "hsdp", "preset": "hsdp"},
           {"name": "recompute", "preset": "stage3", "checkpoint_activations": True},
           {"name": "zeropp_recompute", "preset": "zeropp", "checkpoint_activations": True},
+          # training.fused_cross_entropy: the head's loss through the engine's hooks (eval too)
+          {"name": "zero_topo_fused_ce", "preset": "zero_topo", "fused_cross_entropy": True},
+          {"name": "stage3_fused_ce_recompute", "preset": "stage3", "checkpoint_activations": True,
+           "fused_cross_entropy": True},
           # Last: it patches the model module's checkpoint function for the rest of the process.
           {"name": "reentrant_recompute", "preset": "zero_topo", "checkpoint_activations": True, "reentrant": True}]
 
@@ -313,7 +318,13 @@ def test_four_rank_layout_matches_reference(four_ranks, name):
     assert max_param_diff(results[0][name]["params"], ref["params"]) < TOL
 
 
-@pytest.mark.parametrize("name", ["zero_topo", "zeropp", "stage3"])
+def test_the_fused_loss_moves_the_same_bytes(four_ranks):
+    results, _ = four_ranks
+    assert results[0]["zero_topo_fused_ce"]["ledgers"] == results[0]["zero_topo"]["ledgers"]
+    assert results[0]["stage3_fused_ce_recompute"]["ledgers"] == results[0]["recompute"]["ledgers"]
+
+
+@pytest.mark.parametrize("name", ["zero_topo", "zeropp", "stage3", "zero_topo_fused_ce"])
 def test_eval_loss_matches_reference_model(four_ranks, name):
     results, ref = four_ranks
     model = build_model()

@@ -58,11 +58,19 @@ def _bench(tmp_path, rows: str) -> dict:
 def test_bench_our_step_trains_like_hugging_face(tmp_path, capsys):
     """Same weights, same batches, fp32: our SingleProcessEngine step and HF's model + fused AdamW give the
     same losses step by step (so the benchmark times the same work), and the table prints."""
-    rows = _bench(tmp_path, "ours,hf")
+    rows = _bench(tmp_path, "ours,ours_fused_ce,hf")
     assert rows["ours"]["losses"] == pytest.approx(rows["hf"]["losses"], rel=1e-5)
+    assert rows["ours_fused_ce"]["losses"] == pytest.approx(rows["hf"]["losses"], rel=1e-5)
     assert rows["ours"]["vs_hf"] > 0 and rows["hf"]["vs_hf"] == 1.0
     assert rows["ours"]["tflops"] > 0 and rows["ours"]["mfu"] is None  # no peak known for a CPU
     assert "| ours |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_compiled_blocks_with_the_fused_loss_train_like_eager(tmp_path):
+    """training.compile and training.fused_cross_entropy together: the eager, plain trajectory."""
+    rows = _bench(tmp_path, "ours,ours_compile_fused_ce")
+    assert rows["ours_compile_fused_ce"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
 
 
 def test_bench_compiled_blocks_train_like_eager(tmp_path):

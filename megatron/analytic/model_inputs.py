@@ -6,6 +6,7 @@ engine; this is the one place that reads those numbers off a ``NeoXConfig``, for
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +43,18 @@ def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] 
                     reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
+
+
+def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None) -> int:
+    """One micro-batch's activation bytes for the configured model, micro-batch, precision and loss
+    (``model.sizes.activation_bytes``); ``checkpoint_activations`` overrides the model's setting."""
+    from megatron.model.sizes import activation_bytes
+    model_cfg = cfg.model
+    if checkpoint_activations is not None:
+        model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
+    return activation_bytes(model_cfg, padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
+                            2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
+                            fused_cross_entropy=cfg.training.fused_cross_entropy)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

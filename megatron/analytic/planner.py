@@ -186,12 +186,10 @@ def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] 
 def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget: Optional[float] = None) -> PlanInputs:
     """The plan's inputs for the configured model, batch and precision (budget default: the
     ``plan_memory_per_device_gb`` key, else the device's memory)."""
-    from megatron.model.sizes import activation_bytes, unit_parameter_counts
-    from megatron.analytic.model_inputs import step_work_from_config
+    from megatron.model.sizes import unit_parameter_counts
+    from megatron.analytic.model_inputs import activations_from_config, step_work_from_config
     compute_bytes = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
-    micro = cfg.training.train_micro_batch_size_per_gpu or 1
-    acts = {ckpt: activation_bytes(dataclasses.replace(cfg.model, checkpoint_activations=ckpt), padded_vocab,
-                                   micro, compute_bytes) for ckpt in (False, True)}
+    acts = {ckpt: activations_from_config(cfg, padded_vocab, checkpoint_activations=ckpt) for ckpt in (False, True)}
     if memory_budget is None:
         gb = cfg.zero.plan_memory_per_device_gb
         memory_budget = gb * GB if gb else hardware.device.memory_bytes

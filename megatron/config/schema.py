@@ -117,6 +117,8 @@ class TrainingConfig:
     loss_spike_factor: float = doc(3.0, "Log (not stop) a loss above this many times its running mean; 0 = off.", ge=0.0)
     compile: bool = doc(False, "torch.compile each transformer block's forward (the engine's gather/release hooks stay outside the compiled region; the embedding, the head and the loss run eager). The first steps are slower while the blocks compile.",
                         key="compile")
+    fused_cross_entropy: bool = doc(False, "Compute the training loss in the output head chunk by chunk (megatron/model/fused_cross_entropy.py): the [tokens, vocab] logits, their fp32 log-softmax and gradient (3 x tokens x vocab x 4 bytes, 9.9 GB per micro-batch at a 50k vocabulary and 16k tokens) are never held whole; the gradients of the head are made in forward. Same loss and gradients up to summation order. Evaluation and generation use the plain head.",
+                                    key="fused_cross_entropy")
 
 
 @dataclass

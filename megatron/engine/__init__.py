@@ -4,10 +4,11 @@ The analytic models (megatron/analytic/) never import this package: they check i
 from megatron.engine.comm import CommError, Communicator
 from megatron.engine.flat_unit import EngineError
 from megatron.engine.ledger import PHASES, TIERS, ByteLedger, LedgerError
-from megatron.engine.protocol import Engine, LossFn, adamw_param_groups, autocast_dtype_of, lm_loss, no_decay
+from megatron.engine.protocol import (Engine, LossFn, adamw_param_groups, autocast_dtype_of, fused_lm_loss, lm_loss,
+                                       no_decay, training_loss_of)
 from megatron.engine.single_process import SingleProcessEngine
 from megatron.engine.zero_topo import ZeroTopoEngine
 
 __all__ = ["ByteLedger", "CommError", "Communicator", "Engine", "EngineError", "LedgerError", "LossFn", "PHASES",
-           "SingleProcessEngine", "TIERS", "ZeroTopoEngine", "adamw_param_groups", "autocast_dtype_of", "lm_loss",
-           "no_decay"]
+           "SingleProcessEngine", "TIERS", "ZeroTopoEngine", "adamw_param_groups", "autocast_dtype_of", "fused_lm_loss",
+           "lm_loss", "no_decay", "training_loss_of"]

@@ -79,3 +79,15 @@ def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """Mean next-token cross entropy over every position of the micro-batch (fp32 softmax)."""
     logits = model(batch["tokens"])
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+
+def fused_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """``lm_loss`` computed by the model's output head chunk by chunk, never holding the logits
+    (``training.fused_cross_entropy``; megatron/model/fused_cross_entropy.py). The head runs as a
+    module call, so an engine's hooks on it (gather, release, gradient) fire as for the logits."""
+    return model(batch["tokens"], labels=batch["labels"])
+
+
+def training_loss_of(fused_cross_entropy: bool) -> LossFn:
+    """The loss function training uses: fused or plain (``training.fused_cross_entropy``)."""
+    return fused_lm_loss if fused_cross_entropy else lm_loss

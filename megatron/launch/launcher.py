@@ -38,6 +38,7 @@ from megatron.launch.exit_codes import STOP_CODES
 from megatron.launch.spawner import PIPE, RankCommand, RankExit, RankProcesses, exit_code_of
 
 DEFAULT_MASTER_PORT = 29500
+MALLOC_MMAP_THRESHOLD = "1048576"  # bytes: what the local launcher gives its ranks (local_rank_env says why)
 # Frontier settings from OLCF's documentation; applied only where the environment has none.
 FRONTIER_ENV = {
     "NCCL_SOCKET_IFNAME": "hsn0",
@@ -90,7 +91,7 @@ def local_rank_env(base: Mapping[str, str], rank: int, world_size: int, master_a
         # unit-sized tensors come from arenas that keep freed memory: a fixed 1 MB threshold returns
         # every large tensor to the OS (measured: zero_topo step peak 1.95 -> 1.17 GB above baseline
         # per rank for 160M parameters on 2x2x2; bench/memory.py, docs/memory.md).
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)
     return env
 
 

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megatron.config.errors import ConfigError
 from megatron.config.schema import ModelConfig
+from megatron.model.fused_cross_entropy import linear_cross_entropy
 from megatron.model.kv_cache import KVCache, LayerCache
 
 # Names (suffixes) of the weights initialised with ``output_layer_init_method``: the projections that
@@ -219,8 +220,11 @@ class OutputHead(nn.Module):
         self.final_layer_norm = nn.LayerNorm(hidden_size, eps=eps)
         self.embed_out = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embed_out(self.final_layer_norm(x))
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; with ``labels``, the mean cross entropy instead, chunk by chunk (no logits)."""
+        if labels is None:
+            return self.embed_out(self.final_layer_norm(x))
+        return linear_cross_entropy(self.final_layer_norm(x), self.embed_out.weight, labels)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,9 +331,14 @@ class GPTNeoX(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every position of ``tokens``; with a ``cache`` (megatron/model/kv_cache.py) the
-        tokens continue the cached positions, whose keys and values are reused, and join the cache."""
+        tokens continue the cached positions, whose keys and values are reused, and join the cache.
+        With ``labels`` (training, no cache): the mean next-token cross entropy, computed by the head
+        without materialising the logits (megatron/model/fused_cross_entropy.py)."""
+        if labels is not None and cache is not None:
+            raise ValueError("labels (the fused loss) and a KV cache (generation) do not go together")
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         if start + seq > self.rope_cos.shape[0]:
@@ -353,4 +362,4 @@ class GPTNeoX(nn.Module):
         else:
             for block in self.layers:
                 h = block(h, rope)
-        return self.final(h)
+        return self.final(h) if labels is None else self.final(h, labels)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.model.fused_cross_entropy import chunk_rows_for
 from megatron.model.gpt_neox import intermediate_size_of
 
 
@@ -78,7 +79,8 @@ def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: i
     return 3.0 * sum(unit_flops_per_token(model_cfg, vocab_size, seq_length))
 
 
-def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int) -> int:
+def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int,
+                     fused_cross_entropy: bool = False) -> int:
     """Bytes autograd keeps for one micro-batch at the start of backward (the step's activation peak).
 
     Counted from the model's forward (gpt_neox.py), per block for T = micro_batch x seq tokens:
@@ -88,10 +90,27 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     keeps only its input (T h) and one block is recomputed at a time. The head keeps the final
     LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
     log-softmax and, during backward, their gradient (3 TV).
+
+    With ``fused_cross_entropy`` the head keeps instead the LayerNorm's input and the hidden
+    gradient (2 Th) and the head's gradient in fp32 (4 Vh bytes); at its largest moment it also
+    holds a Vh product (a chunk's share of the head's gradient in forward, the scaled gradient in
+    backward) and either one chunk of c rows (fp32 softmax, c V) or, in backward, the scaled hidden
+    gradient (Th), whichever is larger, each in fp32 plus, below fp32, its compute-dtype copy:
+    (Vh + max(cV, Th)) x (4 + e) bytes (x 4 in fp32).
     """
     h, inner, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
     tokens = micro_batch * model_cfg.seq_length
     block = (12 * h + 2 * inner) * tokens * elem_bytes
     blocks = (layers * tokens * h * elem_bytes + block) if model_cfg.checkpoint_activations else layers * block
-    head = 2 * tokens * h * elem_bytes + 3 * tokens * vocab_size * 4
-    return blocks + head
+    return blocks + head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
+
+
+def head_activation_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
+                          fused_cross_entropy: bool) -> int:
+    """The output head's share of ``activation_bytes`` (its docstring says what is counted)."""
+    t, h, v, e = tokens, hidden_size, vocab_size, elem_bytes
+    if not fused_cross_entropy:
+        return 2 * t * h * e + 3 * t * v * 4
+    chunk = min(chunk_rows_for(v), t)
+    copy = 0 if e == 4 else e  # in fp32 the casts to and from the softmax's dtype are no copies
+    return 2 * t * h * e + 4 * v * h + (v * h + max(chunk * v, t * h)) * (4 + copy)
