@@ -10,8 +10,8 @@ onehot)^T @ h``. Backward has nothing left to compute but a scale. What is kept:
 compute dtype) and grad_weight (V x h, fp32), and while a chunk runs, its logits and softmax.
 
 The gradients are kept unscaled (per-token sums, not divided by the token count) and scaled in
-backward by ``grad_output / count``: fp16's loss scale then applies before any rounding, as it does
-in the plain path, and the small per-token terms do not underflow on the way.
+backward by ``grad_output / count``, in fp32: fp16's loss scale applies there as in the plain path,
+and the compute-dtype terms are not first divided by the token count (1/16,384 at that shape).
 
 Exact to the plain path up to summation order: the same matmuls in the same dtype, the softmax in
 fp32 (tests/test_fused_cross_entropy.py). The matmul FLOPs are the same (logits, and the two
