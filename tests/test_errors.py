@@ -273,8 +273,11 @@ def test_a_load_folder_without_checkpoints_starts_from_scratch(tmp_path, saved_r
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, tiny_corpus):
     """A terminal's SIGINT reaches deepy only (the ranks run in their own sessions): it stops them."""
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=5000, eval_iters=0, log_interval=1)
+    # deepy as a terminal starts it: SIGINT at its default. A shell's background job (`pytest &`) starts
+    # with SIGINT ignored, which children inherit and Python then never turns into KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, str(REPO / "deepy.py"), "train.py", str(cfg)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("step 2/"):
