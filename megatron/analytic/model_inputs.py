@@ -30,6 +30,11 @@ def padded_vocab_of(cfg) -> Optional[int]:
     return pad_vocab_size(build_tokenizer(cfg.tokenizer).vocab_size, cfg.model.make_vocab_size_divisible_by)
 
 
+def compute_bytes_of(cfg) -> int:
+    """Bytes of one element in the run's compute dtype (weights as gathered, activations)."""
+    return 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
+
+
 def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] = None) -> CommSpec:
     """One optimizer step of the configured run on ``layout`` (the run's one ShardLayout; default:
     the validated config's, ``ShardLayout.from_config``)."""
@@ -37,7 +42,7 @@ def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] 
     layout = layout or ShardLayout.from_config(cfg)
     return CommSpec(units, layout, quant=QuantSpec.from_config(cfg.zero),
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
-                    compute_bytes=2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
+                    compute_bytes=compute_bytes_of(cfg),
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),
                     cross_node_reduction=cfg.zero.cross_node_reduction,
                     reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
@@ -53,8 +58,7 @@ def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Opti
     if checkpoint_activations is not None:
         model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
     return activation_bytes(model_cfg, padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
-                            2 if cfg.precision.precision in ("bfloat16", "fp16") else 4,
-                            fused_cross_entropy=cfg.training.fused_cross_entropy)
+                            compute_bytes_of(cfg), fused_cross_entropy=cfg.training.fused_cross_entropy)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

@@ -187,8 +187,8 @@ def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget
     """The plan's inputs for the configured model, batch and precision (budget default: the
     ``plan_memory_per_device_gb`` key, else the device's memory)."""
     from megatron.model.sizes import unit_parameter_counts
-    from megatron.analytic.model_inputs import activations_from_config, step_work_from_config
-    compute_bytes = 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
+    from megatron.analytic.model_inputs import activations_from_config, compute_bytes_of, step_work_from_config
+    compute_bytes = compute_bytes_of(cfg)
     acts = {ckpt: activations_from_config(cfg, padded_vocab, checkpoint_activations=ckpt) for ckpt in (False, True)}
     if memory_budget is None:
         gb = cfg.zero.plan_memory_per_device_gb

@@ -362,4 +362,4 @@ class GPTNeoX(nn.Module):
         else:
             for block in self.layers:
                 h = block(h, rope)
-        return self.final(h) if labels is None else self.final(h, labels)
+        return self.final(h, labels)
