@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 
 from megatron.benchmarking import compare_report as report
-from megatron.benchmarking.compare_peers import (UNAVAILABLE, BenchError, load_emulator, parse_args, rank_main,
+from megatron.benchmarking.emulated_network import UsageError, environment_problem, parse_rate
+from megatron.benchmarking.compare_peers import (UNAVAILABLE, BenchError, parse_args, rank_main,
                                                  run_matrix, write_json)
 
 
@@ -29,12 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_json:
             results = report.load(args.from_json)
         else:
-            emu = load_emulator()
             try:
-                emu.parse_rate(args.rate)
-            except emu.UsageError as err:
+                parse_rate(args.rate)
+            except UsageError as err:
                 raise BenchError(str(err)) from None
-            problem = emu.environment_problem()
+            problem = environment_problem()
             if problem:
                 print(f"compare_peers: cannot emulate a cluster here: {problem}", file=sys.stderr)
                 return UNAVAILABLE

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from megatron.benchmarking import compare_peers, peers
+from megatron.benchmarking.emulated_network import environment_problem
 from megatron.topology import Topology
 from megatron.analytic.model_inputs import comm_spec_from_config, step_work_from_config
 from megatron.analytic.hardware import Hardware
@@ -231,8 +232,7 @@ def main(argv=None) -> int:
         if args.repredict:
             repredict(results, args.tier_figures_only)
     else:
-        emu = compare_peers.load_emulator()
-        problem = emu.environment_problem()
+        problem = environment_problem()
         if problem:
             print(f"time_model: cannot emulate a cluster here: {problem}", file=sys.stderr)
             return compare_peers.UNAVAILABLE

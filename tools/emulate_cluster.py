@@ -11,15 +11,8 @@ node's link rate-limited, R ranks started inside each node's namespace.
     # remove what a killed run left behind (namespaces, links and bridges of the prefix)
     python tools/emulate_cluster.py --cleanup
 
-The network. A bridge in the root namespace; per node a namespace `<run>-node<i>` holding one end
-of a veth pair (`<run>n<i>`, address 198.18.0.<i+1>/24, the benchmarking range RFC 2544 reserves),
-the other end (`<run>h<i>`) on the bridge. Neither the bridge nor the root namespace has an address
-in that range and the namespaces have no default route, so nothing is routed out. A token bucket
-(`tc ... tbf rate R burst 64kb latency 100ms`) sits on both ends' egress: inside the namespace it
-limits what the node sends, on the bridge side what it receives, as a NIC of rate R per direction
-on a non-blocking switch. Each namespace's loopback is up: ranks of one node talk over it,
-unlimited (the in-node tier), even when they address each other by the veth's address. Only the
-rate is emulated; netem (delay, loss) is not available here (docs/emulated_cluster.md).
+The network is megatron/benchmarking/emulated_network.py (its docstring says how it is built: a
+bridge, a namespace and veth pair per node, tbf on both ends; nothing routed out).
 
 The ranks. Rank r runs on node r // R as `ip netns exec <ns> COMMAND` with the local launcher's
 environment (megatron.launch.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
@@ -57,12 +50,8 @@ import importlib.util
 import json
 import math
 import os
-import re
-import secrets
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -70,6 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
+from megatron.benchmarking.emulated_network import (COUNTERS, Cluster, EmulationError, UsageError, build, cleanup,
+                                                    environment_problem, new_cluster, parse_rate, read_counters,
+                                                    teardown)
 from megatron.launch.launcher import local_rank_env, script_command
 from megatron.launch.spawner import PIPE, RankCommand, RankProcesses, exit_code_of
 
@@ -81,221 +73,12 @@ TIMED_OUT = 124  # as timeout(1)
 DEFAULT_PREFIX = "nxemu"
 DEFAULT_RATE = "1gbit"
 DEFAULT_MASTER_PORT = 29500  # every run has its own namespaces: no clash between concurrent runs
-SUBNET = "198.18.0"  # /24 inside 198.18.0.0/15; each run's bridge is its own segment
-TBF = ["burst", "64kb", "latency", "100ms"]  # 64 kB suffices at 1 Gbit/s (measured: 950 Mbit/s of payload)
-COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
-OWNER_TAG = "neox-topo emulate_cluster pid="  # the bridge's alias: which process owns a run
-RUN_PARTS = r"(?:b|h\d+|n\d+|-node\d+)"  # after the run id: bridge, host end, node end, namespace
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-
-
-class EmulationError(RuntimeError):
-    """The machine cannot host the emulated network (one line says why): exit UNAVAILABLE."""
-
-
-class UsageError(ValueError):
-    """Bad arguments or config (one line): exit USAGE."""
 
 
 class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-# --- names and checks --------------------------------------------------------------------------------
-
-def parse_rate(rate: str) -> Optional[float]:
-    """tc's rate syntax (1gbit, 200mbit, 125mbps = bytes/s) -> bits/s; None for `unlimited`."""
-    if rate == "unlimited":
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", rate.strip().lower())
-    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise UsageError(f"--rate {rate!r}: expected a tc rate such as 1gbit, 200mbit or 125mbps, or unlimited")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The names and addresses of one run's network."""
-    run_id: str
-    nodes: int
-    rate: str
-
-    @property
-    def bridge(self) -> str:
-        return f"{self.run_id}b"
-
-    def namespace(self, node: int) -> str:
-        return f"{self.run_id}-node{node}"
-
-    def node_if(self, node: int) -> str:
-        return f"{self.run_id}n{node}"
-
-    def host_if(self, node: int) -> str:
-        return f"{self.run_id}h{node}"
-
-    def address(self, node: int) -> str:
-        return f"{SUBNET}.{node + 1}"
-
-
-def new_cluster(prefix: str, nodes: int, rate: str) -> Cluster:
-    """A run id unique on this machine: the prefix and 4 random hex digits (interface names are at
-    most 15 characters: prefix <= 8)."""
-    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
-        raise UsageError(f"--prefix {prefix!r}: 1-8 lowercase letters or digits, starting with a letter")
-    if not 1 <= nodes <= 250:
-        raise UsageError(f"--nodes {nodes}: between 1 and 250")
-    parse_rate(rate)
-    taken = set(_netns_names()) | set(_link_names())
-    while True:
-        run_id = prefix + secrets.token_hex(2)
-        if not any(name.startswith(run_id) for name in taken):
-            return Cluster(run_id, nodes, rate)
-
-
-def environment_problem() -> Optional[str]:
-    """Why this machine cannot emulate (one line), or None."""
-    if sys.platform != "linux":
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc); run it as root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"needs iproute2: {' and '.join(missing)} not found on PATH"
-    return None
-
-
-# --- the network ---------------------------------------------------------------------------------------
-
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise EmulationError(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip()}")
-    return done
-
-
-def _ns(cluster: Cluster, node: int, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return _run("ip", "netns", "exec", cluster.namespace(node), *cmd, check=check)
-
-
-def _no_ipv6(ns_cmd, names: Sequence[str]) -> None:
-    """Router solicitations and MLD reports would land in the counters; the emulation is IPv4 only.
-    Best effort: a kernel without IPv6 has nothing to turn off."""
-    script = "; ".join(f"echo 1 > /proc/sys/net/ipv6/conf/{n}/disable_ipv6" for n in names)
-    ns_cmd("sh", "-c", script + " 2>/dev/null; true")
-
-
-def build(cluster: Cluster) -> None:
-    """Bridge first (it carries the owner's pid, which --cleanup reads), then one namespace per node."""
-    br = cluster.bridge
-    _run("ip", "link", "add", br, "type", "bridge", "mcast_snooping", "0")  # no IGMP of its own
-    _run("ip", "link", "set", br, "alias", f"{OWNER_TAG}{os.getpid()}")
-    _no_ipv6(lambda *c: _run(*c, check=False), [br])
-    _run("ip", "link", "set", br, "up")
-    for node in range(cluster.nodes):
-        ns, inside, outside = cluster.namespace(node), cluster.node_if(node), cluster.host_if(node)
-        _run("ip", "netns", "add", ns)
-        _no_ipv6(lambda *c: _ns(cluster, node, *c, check=False), ["all", "default"])
-        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns)
-        _no_ipv6(lambda *c: _run(*c, check=False), [outside])
-        _no_ipv6(lambda *c: _ns(cluster, node, *c, check=False), [inside])
-        _run("ip", "link", "set", outside, "master", br, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{cluster.address(node)}/24", "dev", inside)
-        _run("ip", "-n", ns, "link", "set", inside, "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        if parse_rate(cluster.rate) is not None:
-            _ns(cluster, node, "tc", "qdisc", "add", "dev", inside, "root", "tbf", "rate", cluster.rate, *TBF)
-            _run("tc", "qdisc", "add", "dev", outside, "root", "tbf", "rate", cluster.rate, *TBF)
-
-
-def teardown(cluster: Cluster) -> list[str]:
-    """Remove the run's links and namespaces (idempotent); returns what is still there."""
-    remove_run(cluster.run_id)
-    return run_leftovers(cluster.run_id)
-
-
-def remove_run(run_id: str) -> None:
-    """Processes still inside the run's namespaces (ranks of a killed run, or their children) are
-    killed first, then the host-side veth ends (each takes its peer along), namespaces, bridge."""
-    mine = re.compile(re.escape(run_id) + RUN_PARTS).fullmatch
-    for ns in _netns_names():
-        if mine(ns):
-            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-    for name in _link_names():
-        if mine(name) and name != f"{run_id}b":
-            _run("ip", "link", "del", name, check=False)  # a veth end: its peer goes with it
-    for ns in _netns_names():
-        if mine(ns):
-            _run("ip", "netns", "del", ns, check=False)
-    _run("ip", "link", "del", f"{run_id}b", check=False)
-
-
-def _netns_names() -> list[str]:
-    out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _link_names() -> list[str]:
-    out = _run("ip", "-o", "link", "show", check=False).stdout
-    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2]
-
-
-def run_leftovers(run_id: str) -> list[str]:
-    """The run's namespaces and root-namespace links that exist."""
-    mine = re.compile(re.escape(run_id) + RUN_PARTS).fullmatch
-    return ([f"netns {n}" for n in _netns_names() if mine(n)]
-            + [f"link {n}" for n in _link_names() if mine(n)])
-
-
-def _owner(run_id: str) -> Optional[int]:
-    try:
-        alias = Path(f"/sys/class/net/{run_id}b/ifalias").read_text().strip()
-    except OSError:
-        return None
-    return int(alias[len(OWNER_TAG):]) if alias.startswith(OWNER_TAG) and alias[len(OWNER_TAG):].isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup(prefix: str, out: TextIO) -> int:
-    """Remove every run of `prefix` whose owner is gone; a live run's network is left alone."""
-    pattern = re.compile(rf"({re.escape(prefix)}[0-9a-f]{{4}}){RUN_PARTS}")
-    runs = sorted({m.group(1) for name in _netns_names() + _link_names() if (m := pattern.fullmatch(name))})
-    for run_id in runs:
-        owner = _owner(run_id)
-        if owner is not None and owner != os.getpid() and _alive(owner):
-            print(f"emulate_cluster: {run_id} belongs to running pid {owner}; left alone", file=out)
-            continue
-        remove_run(run_id)
-        left = run_leftovers(run_id)
-        print(f"emulate_cluster: removed {run_id}" + (f"; still there: {', '.join(left)}" if left else ""), file=out)
-    if not runs:
-        print(f"emulate_cluster: nothing of prefix {prefix!r} to remove", file=out)
-    return 0
-
-
-def read_counters(cluster: Cluster) -> list[dict[str, int]]:
-    """Each node's interface counters, read inside its namespace."""
-    out = []
-    for node in range(cluster.nodes):
-        files = [f"/sys/class/net/{cluster.node_if(node)}/statistics/{c}" for c in COUNTERS]
-        values = _ns(cluster, node, "cat", *files).stdout.split()
-        out.append(dict(zip(COUNTERS, map(int, values))))
-    return out
 
 
 # --- the ranks ------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ Exit codes: 0 when every configuration ran, 1 when some failed (each failure is 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -374,9 +373,3 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def load_emulator():
-    spec = importlib.util.spec_from_file_location("emulate_cluster", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["emulate_cluster"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
