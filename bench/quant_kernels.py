@@ -33,20 +33,40 @@ def parse_count(text: str) -> int:
 
 
 def timed(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
-    """Best wall time of fn() over `repeat` runs after one warm-up run."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    """Best time of one fn() over `repeat` runs after one warm-up run: the device's time on a GPU
+    (device_time), the wall time on the CPU."""
+    if device.type == "cuda":
+        return device_time(fn, repeat, device)
     fn()
-    sync()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - start)
     return min(times)  # best of: the least disturbed run on a shared machine
+
+
+def device_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    """The GPU's own time for one fn(), not the host's: CUDA events around the call, queued behind
+    a ~1 ms spin kernel so that the launch (Python, the Quantizer's checks, Triton's launcher: tens
+    of microseconds, as long as a 16M-element kernel) happens while the device is still busy, and a
+    256 MiB write before it so the input does not start in L2 (the H200's is 50 MiB). Timing one
+    call with a host clock and a synchronize (this script until 2026-12-05) counted the launch and
+    the synchronize's latency in every kernel's and clone's time."""
+    flush = torch.empty(64 << 20, dtype=torch.int32, device=device)
+    fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
+        torch.cuda._sleep(2_000_000)  # cycles: ~1 ms at 1.5-2 GHz
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return min(times)
 
 
 def code_bytes(n: int, bits: int, block: int) -> int:

@@ -78,20 +78,32 @@ def _quantize8_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
 
 
 @triton.jit
+def _pairs(v, HALF_SPAN: tl.constexpr):
+    """Split [2 * HALF_SPAN] values into the even (low nibble) and odd (high nibble) elements."""
+    return tl.split(tl.reshape(v, [HALF_SPAN, 2]))
+
+
+@triton.jit
+def _interleave(lo, hi, HALF_SPAN: tl.constexpr):
+    """The inverse of _pairs: lo[i], hi[i] at 2i, 2i + 1."""
+    return tl.reshape(tl.join(lo, hi), [2 * HALF_SPAN])
+
+
+# The INT4 kernels read and write the fp32 side contiguously and split it into pairs in registers
+# (_pairs / _interleave): two loads at stride 2 cannot be vectorised, one contiguous load can.
+
+@triton.jit
 def _quantize4_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
                       HALF_SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    pairs = tl.arange(0, HALF_SPAN)
-    mask = pairs < block // 2
-    base = x_ptr + b * block + 2 * pairs
-    lo = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
-    bits = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                      hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    scale = _block_scale(bits, QMAX)
+    offs = tl.arange(0, 2 * HALF_SPAN)
+    x = tl.load(x_ptr + b * block + offs, mask=offs < block, other=0.0).to(tl.float32)
+    scale = _block_scale(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
     tl.store(scales_ptr + b, scale)
-    packed = (_encode(lo, scale, QMAX) & 0xF) | ((_encode(hi, scale, QMAX) & 0xF) << 4)
-    tl.store(codes_ptr + b * (block // 2) + pairs, packed.to(tl.uint8), mask=mask)
+    lo, hi = _pairs(_encode(x, scale, QMAX) & 0xF, HALF_SPAN)
+    pairs = tl.arange(0, HALF_SPAN)
+    tl.store(codes_ptr + b * (block // 2) + pairs, (lo | (hi << 4)).to(tl.uint8),
+             mask=pairs < block // 2)
 
 
 @triton.jit
@@ -109,14 +121,13 @@ def _dequantize8_kernel(codes_ptr, scales_ptr, out_ptr, block, SPAN: tl.constexp
 def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HALF_SPAN)
-    mask = pairs < block // 2
     scale = tl.load(scales_ptr + b)
-    byte = tl.load(codes_ptr + b * (block // 2) + pairs, mask=mask, other=0).to(tl.int32)
+    byte = tl.load(codes_ptr + b * (block // 2) + pairs, mask=pairs < block // 2, other=0).to(tl.int32)
     lo = _nibble(byte & 0xF).to(tl.float32) * scale
     hi = _nibble(byte >> 4).to(tl.float32) * scale
-    base = out_ptr + b * block + 2 * pairs
-    tl.store(base, _to_output(lo, out_ptr), mask=mask)
-    tl.store(base + 1, _to_output(hi, out_ptr), mask=mask)
+    offs = tl.arange(0, 2 * HALF_SPAN)
+    tl.store(out_ptr + b * block + offs, _to_output(_interleave(lo, hi, HALF_SPAN), out_ptr),
+             mask=offs < block)
 
 
 @triton.jit
@@ -173,11 +184,14 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
                        other=0).to(tl.int32)
         acc_lo = acc_lo + _nibble(byte & 0xF).to(tl.float32) * scale_j
         acc_hi = acc_hi + _nibble(byte >> 4).to(tl.float32) * scale_j
+    offs = tl.arange(0, 2 * HALF_SPAN)
+    full_mask = offs < block
     if REQUANTIZE:
-        res = res_ptr + b * block + 2 * pairs
+        res = res_ptr + b * block + offs
         if HAS_RESIDUAL:
-            acc_lo = acc_lo + tl.load(res, mask=mask, other=0.0)
-            acc_hi = acc_hi + tl.load(res + 1, mask=mask, other=0.0)
+            res_lo, res_hi = _pairs(tl.load(res, mask=full_mask, other=0.0), HALF_SPAN)
+            acc_lo = acc_lo + res_lo
+            acc_hi = acc_hi + res_hi
         bits = tl.maximum(acc_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
                           acc_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         scale = _block_scale(bits, QMAX)
@@ -187,12 +201,10 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
         packed = (lo & 0xF) | ((hi & 0xF) << 4)
         tl.store(out_codes_ptr + b * (block // 2) + pairs, packed.to(tl.uint8), mask=mask)
         if HAS_RESIDUAL:
-            tl.store(res, acc_lo - lo.to(tl.float32) * scale, mask=mask)
-            tl.store(res + 1, acc_hi - hi.to(tl.float32) * scale, mask=mask)
+            tl.store(res, _interleave(acc_lo - lo.to(tl.float32) * scale,
+                                      acc_hi - hi.to(tl.float32) * scale, HALF_SPAN), mask=full_mask)
     else:
-        base = out_sum_ptr + b * block + 2 * pairs
-        tl.store(base, acc_lo, mask=mask)
-        tl.store(base + 1, acc_hi, mask=mask)
+        tl.store(out_sum_ptr + b * block + offs, _interleave(acc_lo, acc_hi, HALF_SPAN), mask=full_mask)
 
 
 @triton.jit
