@@ -427,13 +427,14 @@ def plot(curves_: Sequence[Curve], tokens: bool, smoothing: Smoothing, path: Pat
     handles += [Line2D([], [], color="grey", alpha=0.3, linewidth=0.7, label="training loss, raw"),
                 Line2D([], [], color="grey", marker="o", markeredgecolor="black", linestyle=":",
                        label="validation loss")]
-    columns = 3 if len(handles) > 4 else len(handles)
+    longest = max(len(h.get_label()) for h in handles)
+    columns = min(len(handles), 3 if longest <= 60 else 2)  # long labels: fewer columns, none cut
     fig.suptitle(title or f"Training loss ({smoothing}) and validation loss vs {xlabel}")
     # Below the panels, so it hides no curve.
     fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=columns, frameon=False)
     fig.tight_layout(rect=(0, 0.02 + 0.03 * math.ceil(len(handles) / columns), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # grows to the legend rather than cut it
     plt.close(fig)
 
 
