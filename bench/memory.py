@@ -4,6 +4,7 @@
     .venv/bin/python bench/memory.py --markdown              # the tables in docs/memory.md
     .venv/bin/python bench/memory.py --layers 4 --hidden 256 --configs zero3 zero_topo-int4-ef
     python bench/memory.py --device cuda --layout none --load-layout none --set bf16.enabled=true ...
+    .venv/bin/python bench/memory.py --allocator --layout none --load-layout none --configs zero3
 
 A configuration is a preset (configs/<preset>.yml) plus overrides: the four presets, and zero_topo
 with INT4 gradients with and without error feedback (CONFIGS), so the memory model's error_feedback
@@ -16,7 +17,11 @@ resident set per phase (build, step, save, load; megatron/logging/memory.py); th
 largest rank's peak above its own baseline (the process after imports and data indices, before any
 model state: measured, and shown) next to the model's prediction (megatron/analytic/memory_model.py,
 predict_peak_bytes, with the activation estimate of megatron/model/sizes.py), and the ratio
-measured / predicted. The last table is the model's prediction per GCD for the paper's 20B on 48
+measured / predicted. On a GPU (--device cuda) the measure is the device's peak allocation against
+the model's device terms; on a CPU with --allocator the CPU allocator's peak (torch.profiler's
+memory events, which count a mapped checkpoint file at its size) against the model's total: the
+GPU's quantity, without the resident set's allocator slack and untouched pages. One process (--layout none) runs the
+single-process engine, and the model predicts that engine there. The last table is the model's prediction per GCD for the paper's 20B on 48
 Frontier nodes, where it counts.
 """
 from __future__ import annotations
@@ -32,7 +37,8 @@ from megatron.config import load_config
 from megatron.model.sizes import parameter_count
 from megatron.topology import ShardLayout
 from megatron.analytic.memory_model import PEAK_PHASES, device_phase_bytes, predict_peak_bytes
-from megatron.analytic.model_inputs import activations_from_config, comm_spec_from_config, padded_vocab_of
+from megatron.analytic.model_inputs import (activations_from_config, autocast_copies_from_config,
+                                            comm_spec_from_config, padded_vocab_of)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,10 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-layout", default="sim-2x2", help="layout the checkpoints are resumed on (none: one process)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: measure the GPU's peak allocation per phase against the model's device terms")
+    p.add_argument("--allocator", action="store_true",
+                   help="cpu: measure the CPU allocator's peak per phase (memory_report_allocator), not the resident set")
     p.add_argument("--load-preset", default="zero_topo", help="preset every checkpoint is resumed with")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra config overrides")
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
+
+
+def measure_of(args) -> str:
+    """What a phase's peak is: the GPU's allocation, the CPU allocator's bytes, or the resident set."""
+    return "device" if args.device == "cuda" else "allocator" if args.allocator else "rss"
 
 
 def model_sets(args, log_dir: Path, extra: list[str]) -> list[str]:
@@ -73,7 +86,7 @@ def model_sets(args, log_dir: Path, extra: list[str]) -> list[str]:
             f"seq_length={args.seq}", f"train_micro_batch_size_per_gpu={args.micro}", "gradient_accumulation_steps=1",
             "train_batch_size=null", "eval_iters=0", "log_interval=1", "memory_report=true",
             "checkpoint_factor=null", "keep_last_n_checkpoints=null", f"log_dir={log_dir}", f"device={args.device}",
-            *args.sets, *extra]
+            f"memory_report_allocator={str(measure_of(args) == 'allocator').lower()}", *args.sets, *extra]
     return [item for s in sets for item in ("--set", s)]
 
 
@@ -84,22 +97,23 @@ def run(files: list[str], sets: list[str]) -> None:
         raise SystemExit(f"bench run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
 
 
-def measured(log_dir: Path, device: str = "cpu") -> tuple[dict, int]:
-    """({phase: largest rank's peak above its baseline}, largest baseline): the resident set on a
-    CPU; on a GPU the device's peak allocation (torch's allocator, which starts from nothing)."""
+def measured(log_dir: Path, measure: str = "rss") -> tuple[dict, int]:
+    """({phase: largest rank's peak above its baseline}, largest baseline): the resident set above
+    the process's baseline; an allocator's peak (the GPU's, or the CPU's traced) counts from nothing."""
     ranks = [json.loads(p.read_text()) for p in sorted((log_dir / "memory").glob("rank_*.json"))]
-    key = "device_peak" if device == "cuda" else "peak_rss"
-    baselines = [0 if device == "cuda" else r["baseline_rss"] for r in ranks]
+    key = {"device": "device_peak", "allocator": "allocator_peak", "rss": "peak_rss"}[measure]
+    baselines = [r["baseline_rss"] if measure == "rss" else 0 for r in ranks]
     phases = {phase: max(r[key][phase] - base for r, base in zip(ranks, baselines) if phase in r[key])
               for phase in PEAK_PHASES if any(phase in r[key] for r in ranks)}
     return phases, max(baselines)
 
 
-def predicted(files: list[str], sets: list[str], device: str = "cpu") -> dict:
+def predicted(files: list[str], sets: list[str], measure: str = "rss") -> dict:
     cfg = load_config([str(REPO / f) for f in files], [s for s in sets if s != "--set"], notices=[])
     vocab = padded_vocab_of(cfg)
-    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), activations_from_config(cfg, vocab))
-    return {phase: device_phase_bytes(terms) if device == "cuda" else terms["total"] for phase, terms in peaks.items()}
+    peaks = predict_peak_bytes(comm_spec_from_config(cfg, vocab), activations_from_config(cfg, vocab),
+                               autocast_copies_from_config(cfg, vocab))
+    return {phase: device_phase_bytes(terms) if measure == "device" else terms["total"] for phase, terms in peaks.items()}
 
 
 def layout_files(layout: str) -> list[str]:
@@ -119,6 +133,9 @@ def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> Non
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.allocator and args.device == "cuda":
+        raise SystemExit("bench/memory.py: --allocator traces the CPU allocator; on a GPU the device's own peak is measured")
+    measure = measure_of(args)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -136,10 +153,10 @@ def main(argv=None) -> int:
             load_files = base + layout_files(args.load_layout) + [f"configs/{args.load_preset}.yml"]
             load_sets = model_sets(args, work / "load", [*extra, "train_iters=3", f"load={work / 'ck'}", "save=null"])
             run(load_files, load_sets)
-            got_train, baseline = measured(work / "train", args.device)
-            got_load, load_baseline = measured(work / "load", args.device)
-            want_train = predicted(train_files, train_sets, args.device)
-            want_load = predicted(load_files, load_sets, args.device)
+            got_train, baseline = measured(work / "train", measure)
+            got_load, load_baseline = measured(work / "load", measure)
+            want_train = predicted(train_files, train_sets, measure)
+            want_load = predicted(load_files, load_sets, measure)
             suffix = name[len(preset):]
             for phase in PEAK_PHASES:
                 load = phase == "load"
@@ -156,8 +173,9 @@ def main(argv=None) -> int:
         params = parameter_count(cfg.model, padded_vocab_of(cfg))
     print(f"model: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro}: "
           f"{params / 1e6:.1f}M parameters (fp32 full copy {4 * params / GB:.2f} GB); peaks are the largest "
-          + ("rank's device allocation (torch.cuda.max_memory_allocated), against the model's device terms"
-             if args.device == "cuda" else "rank's, above its baseline"))
+          + {"device": "rank's device allocation (torch.cuda.max_memory_allocated), against the model's device terms",
+             "allocator": "rank's CPU allocator bytes (torch.profiler's memory events, mapped files included)",
+             "rss": "rank's, above its baseline"}[measure])
     print(f"build, step, save: each configuration on {args.layout}; load: every configuration's checkpoint "
           f"resumed as {args.load_preset} on {args.load_layout} (with the configuration's quantization and "
           "error feedback, if any)")

@@ -83,11 +83,12 @@ def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int,
 PEAK_PHASES = ("build", "step", "save", "load")
 
 
-def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
+def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: int = 0) -> dict:
     """{phase: {term: bytes, ..., 'total'}}: what one rank holds at the peak of each phase, above the
     process's own baseline (interpreter and libraries, measured), following docs/engine.md's build,
     step, save and load. ``activations`` is the model's estimate for one micro-batch
-    (megatron.model.sizes.activation_bytes).
+    (megatron.model.sizes.activation_bytes). A layout of one rank runs the single-process engine,
+    not the sharded one: ``predict_single_process_peak_bytes`` (``autocast_copies`` counts there only).
 
     - build: the model states, plus the largest unit being made real, in two terms because they
       live in different memories on a GPU: "unit being built (host)", its parameters in fp32
@@ -112,6 +113,8 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
       three slices copied out and the weight refresh's buffers (the master cast to the compute
       dtype, S/os x c, unless already fp32, and the cross hop's S/g x c result).
     """
+    if spec.world_size == 1:
+        return predict_single_process_peak_bytes(spec, activations, autocast_copies)
     held = predict_model_state_bytes(spec)["per_rank"]
     states, residuals = held["total"], held.get("error_feedback", 0)
     w, g, os_ = spec.factors
@@ -131,6 +134,42 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0) -> dict:
         "load": {"states": states, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
                                           + (s // g) * c for s in sizes)},
+    }
+    for phase in terms.values():
+        phase["total"] = sum(phase.values())
+    return terms
+
+
+def predict_single_process_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: int = 0) -> dict:
+    """The phases of one process (megatron/engine/single_process.py): fp32 parameters (4 P), fp32
+    gradients (4 P, set to None after each step) and AdamW's two fp32 moments (8 P, made by the first
+    step), none of them padded or sharded; ``autocast_copies`` are the compute-dtype copies autocast
+    keeps of the weights (``model.sizes.autocast_copy_bytes``).
+
+    - build: the parameters. On a GPU the model is built (seeded, as on the CPU) in host memory and
+      then moved, so the host briefly holds its own 4 P as well; that copy is not a term.
+    - step: the larger of two moments. The start of backward: parameters, moments, the activations
+      and autocast's copies, and from the second micro-batch of an accumulating step the gradients
+      too. The optimizer: parameters, gradients and moments (clipping and the fused AdamW work in
+      place).
+    - save: parameters and moments, plus the checkpoint's pieces (12 P: master and moments copied to
+      host memory).
+    - load: parameters and moments, plus the checkpoint's pages (12 P, mapped). On a CPU the moments
+      are the buffers the reader fills; on a GPU those buffers are host memory, one parameter's at a
+      time (not a term).
+    """
+    params = sum(spec.unit_numels) * FP32_BYTES
+    moments = 2 * params
+    backward = activations + autocast_copies + (params if spec.micro_batches > 1 else 0)
+    at_backward = {"gradients": params if spec.micro_batches > 1 else 0, "activations": activations,
+                   "autocast copies": autocast_copies}
+    at_optimizer = {"gradients": params, "activations": 0, "autocast copies": 0}
+    terms = {
+        "build": {"parameters": params},
+        "step": {"parameters": params, "moments": moments,
+                 **(at_backward if backward > params else at_optimizer)},
+        "save": {"parameters": params, "moments": moments, "checkpoint pieces": 3 * params},
+        "load": {"parameters": params, "moments": moments, "mapped pages": 3 * params},
     }
     for phase in terms.values():
         phase["total"] = sum(phase.values())

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.config import pad_vocab_size
-from megatron.model.sizes import unit_flops_per_token, unit_parameter_counts
+from megatron.model.sizes import autocast_copy_bytes, unit_flops_per_token, unit_parameter_counts
 from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import CommSpec, transformer_block_units
 from megatron.config.quant_spec import QuantSpec
@@ -59,6 +59,16 @@ def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Opti
         model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
     return activation_bytes(model_cfg, padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
                             compute_bytes_of(cfg), fused_cross_entropy=cfg.training.fused_cross_entropy)
+
+
+def autocast_copies_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None) -> int:
+    """One process's autocast copies of its weights at the start of backward
+    (``model.sizes.autocast_copy_bytes``; the memory model counts them only at world size 1);
+    ``checkpoint_activations`` overrides the model's setting."""
+    model_cfg = cfg.model
+    if checkpoint_activations is not None:
+        model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
+    return autocast_copy_bytes(model_cfg, padded_vocab, compute_bytes_of(cfg), cfg.training.fused_cross_entropy)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

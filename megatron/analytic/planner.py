@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
@@ -51,6 +51,8 @@ class PlanInputs:
     reductions_in_flight: int = 2
     reduce_bucket_elements: int = 500_000_000
     quant_block: int = 256
+    autocast_copies: dict = field(default_factory=dict)
+    """{checkpointed: bytes of autocast's weight copies}: counted by the memory model on one process only."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def evaluate(candidate: Candidate, inputs: PlanInputs) -> PlanRow:
                     checkpointed_units=transformer_block_units(len(units)) if candidate.checkpointed else frozenset(),
                     reductions_in_flight=inputs.reductions_in_flight,
                     reduce_bucket_elements=inputs.reduce_bucket_elements)
-    peak = device_peak_bytes(predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed]))
+    peak = device_peak_bytes(predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed],
+                                                inputs.autocast_copies.get(candidate.checkpointed, 0)))
     per_tier = {tier: nbytes / layout.world_size for tier, nbytes in ledger_bytes_by_tier(spec).items()}
     return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work),
                    peak <= inputs.memory_budget)
@@ -187,9 +190,11 @@ def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget
     """The plan's inputs for the configured model, batch and precision (budget default: the
     ``plan_memory_per_device_gb`` key, else the device's memory)."""
     from megatron.model.sizes import unit_parameter_counts
-    from megatron.analytic.model_inputs import activations_from_config, compute_bytes_of, step_work_from_config
+    from megatron.analytic.model_inputs import (activations_from_config, autocast_copies_from_config, compute_bytes_of,
+                                                step_work_from_config)
     compute_bytes = compute_bytes_of(cfg)
     acts = {ckpt: activations_from_config(cfg, padded_vocab, checkpoint_activations=ckpt) for ckpt in (False, True)}
+    copies = {ckpt: autocast_copies_from_config(cfg, padded_vocab, checkpoint_activations=ckpt) for ckpt in (False, True)}
     if memory_budget is None:
         gb = cfg.zero.plan_memory_per_device_gb
         memory_budget = gb * GB if gb else hardware.device.memory_bytes
@@ -197,7 +202,7 @@ def inputs_from_config(cfg, padded_vocab: int, hardware: Hardware, memory_budget
                       cfg.training.gradient_accumulation_steps or 1, compute_bytes, bool(cfg.precision.fp32_allreduce),
                       acts, hardware, float(memory_budget),
                       int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
-                      int(cfg.zero.reduce_bucket_size), int(cfg.zero.quantization_block_size))
+                      int(cfg.zero.reduce_bucket_size), int(cfg.zero.quantization_block_size), copies)
 
 
 def plan_for_config(cfg, padded_vocab: int, world_size: Optional[int] = None) -> Plan:

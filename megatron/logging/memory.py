@@ -4,15 +4,22 @@ Host memory is the process's peak resident set (``VmHWM`` in /proc/self/status);
 the current RSS when "5" is written to /proc/self/clear_refs, which is how one phase's peak is told
 from the previous one's. On a GPU the device's peak allocation (torch.cuda.max_memory_allocated,
 reset per phase) is recorded beside it. Where /proc is missing (not Linux) the host figures are None.
+
+On a CPU run, ``AllocatorTrace`` gives the counterpart of the GPU's figure: each phase's peak of the
+bytes torch's CPU allocator holds, from torch.profiler's memory events (one event per allocation
+and free, in order). The resident set also counts the allocator's freed-but-kept pages, the
+interpreter and file pages; the allocator's count is the quantity the memory model's terms add up.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 STATUS, CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
 
@@ -52,21 +59,79 @@ def reset_peak() -> bool:
         return False
 
 
+PHASE_MARK = "memory_phase:"
+
+
+class AllocatorTrace:
+    """Every CPU allocation and free from ``start()`` on, with the phases marked: ``peaks()`` gives
+    each phase's largest count of bytes held, counted from zero at ``start()`` (as the GPU's
+    allocator counts from nothing; what was allocated before is the baseline and its frees are not
+    reported). One trace for the whole run, because the profiler forgets a block's size once it is
+    stopped. It keeps one event per allocation: for a run of a few steps (bench/memory.py), not a
+    long training run."""
+
+    def __init__(self):
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._peaks: Optional[dict[str, int]] = None
+
+    def start(self) -> None:
+        self._profile.__enter__()
+
+    def mark(self, name: str):
+        return record_function(PHASE_MARK + name)
+
+    def peaks(self) -> dict[str, int]:
+        """{phase: peak bytes held}; stops the trace the first time it is called."""
+        if self._peaks is None:
+            self._profile.__exit__(None, None, None)
+            self._peaks = allocator_peaks(self._profile.profiler.kineto_results.events())
+        return self._peaks
+
+
+def allocator_peaks(events) -> dict[str, int]:
+    """{phase: the largest running sum of allocations minus frees inside the phase's marks (every
+    window of a phase entered more than once), the sum at the phase's start included}."""
+    memory, windows = [], []
+    for event in events:
+        if event.name() == "[memory]":
+            memory.append((event.start_ns(), event.nbytes()))
+        elif event.name().startswith(PHASE_MARK):
+            windows.append((event.name()[len(PHASE_MARK):], event.start_ns(), event.start_ns() + event.duration_ns()))
+    memory.sort()
+    held, running = [], 0
+    for _, nbytes in memory:
+        running += nbytes
+        held.append(running)
+    times = [t for t, _ in memory]
+    peaks: dict[str, int] = {}
+    for name, begin, end in windows:
+        first, last = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
+        at_start = held[first - 1] if first else 0
+        peaks[name] = max(peaks.get(name, 0), at_start, *held[first:last])
+    return peaks
+
+
 class PhasePeaks:
     """``with peaks.phase("step"): ...`` records that phase's peak; a phase entered again (every
-    step, every save) keeps the largest peak seen."""
+    step, every save) keeps the largest peak seen. ``trace_allocator`` (a CPU run): also each phase's
+    peak of the CPU allocator's bytes (``AllocatorTrace``), the GPU's figure's counterpart."""
 
-    def __init__(self, device: Optional[torch.device] = None):
+    def __init__(self, device: Optional[torch.device] = None, trace_allocator: bool = False):
         self.device = device
         self.host: dict[str, int] = {}
         self.device_peak: dict[str, int] = {}
         self.baseline = rss_bytes()  # the interpreter, torch and our imports, before any model state
+        self.allocator = AllocatorTrace() if trace_allocator else None
+        if self.allocator is not None:
+            self.allocator.start()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         reset_peak()
+        marked = self.allocator.mark(name) if self.allocator is not None else contextlib.nullcontext()
         try:
-            yield
+            with marked:
+                yield
         finally:
             host = peak_rss_bytes()
             if host is not None:
@@ -82,7 +147,10 @@ class PhasePeaks:
         return self.host.get(name)
 
     def as_dict(self) -> dict:
-        return {"baseline_rss": self.baseline, "peak_rss": dict(self.host), "device_peak": dict(self.device_peak)}
+        out = {"baseline_rss": self.baseline, "peak_rss": dict(self.host), "device_peak": dict(self.device_peak)}
+        if self.allocator is not None:
+            out["allocator_peak"] = self.allocator.peaks()
+        return out
 
     def write(self, folder: str | Path, rank: int) -> Path:
         """<folder>/memory/rank_<rank>.json (each rank its own file: no collective needed)."""

@@ -105,6 +105,23 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     return blocks + head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
 
 
+def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int,
+                        fused_cross_entropy: bool = False) -> int:
+    """One process under autocast (fp32 weights, a compute dtype of ``elem_bytes`` < 4): the
+    compute-dtype copies autocast makes of the weights and biases its matmuls read, at the start of
+    backward. nn.Linear keeps its cast weight for backward, so every block's four projections and the
+    output head's V x h are held at once. A checkpointed block keeps none; its recompute casts again,
+    one block at a time (one block's copies). The fused head casts its weight itself and keeps no copy.
+    0 in fp32, and for the sharded engine, whose gathered weights are already in the compute dtype."""
+    if elem_bytes >= 4:
+        return 0
+    h, inner = model_cfg.hidden_size, intermediate_size_of(model_cfg)
+    block = (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+    blocks = block if model_cfg.checkpoint_activations else model_cfg.num_layers * block
+    head = 0 if fused_cross_entropy else vocab_size * h
+    return (blocks + head) * elem_bytes
+
+
 def head_activation_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                           fused_cross_entropy: bool) -> int:
     """The output head's share of ``activation_bytes`` (its docstring says what is counted)."""
