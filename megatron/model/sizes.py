@@ -87,7 +87,8 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     the block input and both LayerNorm outputs (3 Th), the QKV output (3 Th), rotary's inputs and
     outputs for q and k (4 Th), attention's output and the dense layer's input copy (2 Th), the MLP's
     two intermediate tensors (2 TI): (12 h + 2 I) T elements. Under activation checkpointing a block
-    keeps only its input (T h) and one block is recomputed at a time. The head keeps the final
+    keeps only its input (T h) and one block is recomputed at a time, after the head's backward has
+    freed the head's share: the larger of the two is held, not both. The head keeps the final
     LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
     log-softmax and, during backward, their gradient (3 TV).
 
@@ -101,8 +102,10 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     h, inner, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
     tokens = micro_batch * model_cfg.seq_length
     block = (12 * h + 2 * inner) * tokens * elem_bytes
-    blocks = (layers * tokens * h * elem_bytes + block) if model_cfg.checkpoint_activations else layers * block
-    return blocks + head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
+    head = head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
+    if model_cfg.checkpoint_activations:
+        return layers * tokens * h * elem_bytes + max(block, head)
+    return layers * block + head
 
 
 def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int,
