@@ -88,7 +88,8 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     outputs for q and k (4 Th), attention's output and the dense layer's input copy (2 Th), the MLP's
     two intermediate tensors (2 TI): (12 h + 2 I) T elements. Under activation checkpointing a block
     keeps only its input (T h) and one block is recomputed at a time, after the head's backward has
-    freed the head's share: the larger of the two is held, not both. The head keeps the final
+    freed the head's share: the larger of the two is held, not both; the recomputed block's backward
+    starts with the gradients of its output and of the MLP's wide input too ((h + I) T). The head keeps the final
     LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
     log-softmax and, during backward, their gradient (3 TV).
 
@@ -104,7 +105,8 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     block = (12 * h + 2 * inner) * tokens * elem_bytes
     head = head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
     if model_cfg.checkpoint_activations:
-        return layers * tokens * h * elem_bytes + max(block, head)
+        recomputed = block + (h + inner) * tokens * elem_bytes  # + its output's and the MLP's gradients
+        return layers * tokens * h * elem_bytes + max(recomputed, head)
     return layers * block + head
 
 
