@@ -70,6 +70,9 @@ CONFIG_MISTAKES = [
                  id="invalid-yaml"),
     pytest.param("- a\n", [], "deepy: error: <file>: the top level must be a mapping of keys to values, not a list",
                  id="not-a-mapping"),
+    pytest.param(None, ["--set", "memory_report_allocator=true"],
+                 "deepy: error: memory_report_allocator: adds the allocator's peaks to the memory report, which is "
+                 "off (in --set); set memory_report: true as well", id="allocator-without-report"),
     pytest.param(None, ["--set", "num_layers"],
                  "deepy: error: --set 'num_layers': expected KEY=VALUE, e.g. --set train_iters=100 or "
                  "--set zero_optimization.stage=3", id="bad-set"),

@@ -63,7 +63,7 @@ def build_config(routed: Routed, env: Mapping[str, str]) -> NeoXConfig:
     cfg = NeoXConfig(**groups)
     ctx = _Context(routed)
     for step in (_model, _optimizer, _lr_schedule, _vocab, _data, _precision, _layout, _batch, _zero, _launcher,
-                 _generation):
+                 _generation, _logging):
         step(cfg, ctx, env)
     return cfg
 
@@ -342,6 +342,12 @@ def _generation(cfg: NeoXConfig, ctx: _Context, env) -> None:
     if e.eval_tasks is not None and (not e.eval_tasks or not all(isinstance(t, str) and t for t in e.eval_tasks)):
         raise ctx.error("evaluation.eval_tasks", f"expected a non-empty list of task names or task YAML paths, got {e.eval_tasks}",
                         "e.g. eval_tasks: [lambada_openai] or eval_tasks: [path/to/task.yaml]")
+
+
+def _logging(cfg: NeoXConfig, ctx: _Context, env) -> None:
+    if cfg.logging.memory_report_allocator and not cfg.logging.memory_report:
+        raise ctx.error("logging.memory_report_allocator", "adds the allocator's peaks to the memory report, "
+                        "which is off", "set memory_report: true as well")
 
 
 def launch_environment_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:
