@@ -7,7 +7,7 @@ reset per phase) is recorded beside it. Where /proc is missing (not Linux) the h
 
 On a CPU run, ``AllocatorTrace`` gives the counterpart of the GPU's figure: each phase's peak of the
 bytes torch's CPU allocator holds, from torch.profiler's memory events (one event per allocation
-and free, in order). The resident set also counts the allocator's freed-but-kept pages, the
+and free, followed by address; a mapped file counts as one allocation of its size). The resident set also counts the allocator's freed-but-kept pages, the
 interpreter and file pages; the allocator's count is the quantity the memory model's terms add up.
 """
 from __future__ import annotations
@@ -84,25 +84,34 @@ class AllocatorTrace:
         """{phase: peak bytes held}; stops the trace the first time it is called."""
         if self._peaks is None:
             self._profile.__exit__(None, None, None)
-            self._peaks = allocator_peaks(self._profile.profiler.kineto_results.events())
+            self._peaks = allocator_peaks(self._profile.profiler.kineto_results.experimental_event_tree())
         return self._peaks
 
 
-def allocator_peaks(events) -> dict[str, int]:
-    """{phase: the largest running sum of allocations minus frees inside the phase's marks (every
-    window of a phase entered more than once), the sum at the phase's start included}."""
-    memory, windows = [], []
-    for event in events:
-        if event.name() == "[memory]":
-            memory.append((event.start_ns(), event.nbytes()))
-        elif event.name().startswith(PHASE_MARK):
-            windows.append((event.name()[len(PHASE_MARK):], event.start_ns(), event.start_ns() + event.duration_ns()))
-    memory.sort()
-    held, running = [], 0
-    for _, nbytes in memory:
-        running += nbytes
+def allocator_peaks(roots) -> dict[str, int]:
+    """{phase: the largest count of bytes held inside the phase's marks (every window of a phase
+    entered more than once), the count at the phase's start included}, from the profiler's event
+    tree. Blocks are followed by address: a free the profiler did not see (a block freed on a
+    thread it does not follow, a collective's worker) is taken as done when its address is handed
+    out again, so a missed free does not count for the rest of the run."""
+    allocations, windows, stack = [], [], list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size"):
+            allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        elif node.name.startswith(PHASE_MARK):
+            windows.append((node.name[len(PHASE_MARK):], node.start_time_ns, node.end_time_ns))
+    allocations.sort()
+    held, times, live, running = [], [], {}, 0
+    for time_ns, ptr, size in allocations:
+        running -= live.pop(ptr, 0)  # a free (or, for an allocation, a free that was missed)
+        if size > 0:
+            live[ptr] = size
+            running += size
         held.append(running)
-    times = [t for t, _ in memory]
+        times.append(time_ns)
     peaks: dict[str, int] = {}
     for name, begin, end in windows:
         first, last = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
