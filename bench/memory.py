@@ -20,9 +20,9 @@ predict_peak_bytes, with the activation estimate of megatron/model/sizes.py), an
 measured / predicted. On a GPU (--device cuda) the measure is the device's peak allocation against
 the model's device terms; on a CPU with --allocator the CPU allocator's peak (torch.profiler's
 memory events, which count a mapped checkpoint file at its size) against the model's total: the
-GPU's quantity, without the resident set's allocator slack and untouched pages. One process (--layout none) runs the
-single-process engine, and the model predicts that engine there. The last table is the model's prediction per GCD for the paper's 20B on 48
-Frontier nodes, where it counts.
+GPU's quantity, without the resident set's allocator slack and untouched pages. One process
+(--layout none) runs the single-process engine, and the model predicts that engine there. The last
+table is the model's prediction per GCD for the paper's 20B on 48 Frontier nodes, where it counts.
 """
 from __future__ import annotations
 
