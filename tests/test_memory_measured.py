@@ -71,6 +71,18 @@ def test_fp32_first_hops_are_counted_in_fp32_by_hand():
     assert "reduction input cast" not in topo and topo["reduction output"] == 120 * 2
 
 
+def test_hpz_secondary_copy_is_held_in_the_step_only_by_hand():
+    """zeropp on 2x2x2, bf16, units (100, 240, 240, 96) padded to N = 8: S = 680. States: weights
+    680/8 x 2 = 170, accumulator 680/8 x 4 = 340, master 340, moments 680, and hpZ's secondary copy
+    S/R x 2 = 170 x 2 = 340 (R = 4): 1870 in the step, 1530 at build, save and load (the engine
+    drops the copy at each step's end and rebuilds it at the next step's first gather)."""
+    from megatron.analytic.comm_model import CommSpec
+    peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zeropp"),
+                                        compute_bytes=2))
+    assert peaks["step"]["states"] == 1870
+    assert peaks["build"]["states"] == peaks["save"]["states"] == peaks["load"]["states"] == 1530
+
+
 def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""

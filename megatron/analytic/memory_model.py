@@ -90,6 +90,10 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
     (megatron.model.sizes.activation_bytes). A layout of one rank runs the single-process engine,
     not the sharded one: ``predict_single_process_peak_bytes`` (``autocast_copies`` counts there only).
 
+    ZeRO++'s secondary copy (hpZ) is a state of the step only: each step's first gather of a unit
+    rebuilds it and the step's end drops it (engine/schedules.py), so build, save and load hold the
+    states without it.
+
     - build: the model states, plus the largest unit being made real, in two terms because they
       live in different memories on a GPU: "unit being built (host)", its parameters in fp32
       (P x 4, initialised or read on the CPU: build.unit_materializer), and "unit being built
@@ -117,6 +121,7 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
         return predict_single_process_peak_bytes(spec, activations, autocast_copies)
     held = predict_model_state_bytes(spec)["per_rank"]
     states, residuals = held["total"], held.get("error_feedback", 0)
+    between_steps = states - held["secondary"]  # hpZ's copy lives from a step's first gather to its end
     w, g, os_ = spec.factors
     c = spec.compute_bytes
     sizes = padded_unit_numels(spec)
@@ -126,12 +131,12 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
     piece_bytes = 3 * FP32_BYTES + (c if spec.quant.weight_delta_bits else 0)
     built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + ps[1] * (FP32_BYTES + c))
     terms = {
-        "build": {"states": states, "unit being built (host)": built_p * FP32_BYTES,
+        "build": {"states": between_steps, "unit being built (host)": built_p * FP32_BYTES,
                   "unit being built (device)": built_s * (FP32_BYTES + c)},
         "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
                  **_reduction_terms(spec, largest), "activations": activations},
-        "save": {"states": states, "checkpoint pieces": sum(s // os_ for s in sizes) * piece_bytes + residuals},
-        "load": {"states": states, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
+        "save": {"states": between_steps, "checkpoint pieces": sum(s // os_ for s in sizes) * piece_bytes + residuals},
+        "load": {"states": between_steps, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
                                           + (s // g) * c for s in sizes)},
     }
