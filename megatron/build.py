@@ -209,7 +209,7 @@ def build_training(cfg) -> Run:
     train_data, valid_data, _ = build_datasets(cfg, tokenizer.vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
                                                barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
-    trace = cfg.logging.memory_report and cfg.logging.memory_report_allocator and runtime.device.type == "cpu"
+    trace = cfg.logging.memory_report_allocator and runtime.device.type == "cpu"  # validation: implies memory_report
     memory = PhasePeaks(runtime.device, trace_allocator=trace)  # the baseline: interpreter, imports, data indices
     with memory.phase("build"):
         model = build_model(cfg, runtime)

@@ -50,14 +50,18 @@ def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] 
                     checkpointed_units=transformer_block_units(len(units)) if cfg.model.checkpoint_activations else ())
 
 
+def _model_with(cfg, checkpoint_activations: Optional[bool]):
+    """The configured model, its activation checkpointing overridden when given."""
+    if checkpoint_activations is None:
+        return cfg.model
+    return dataclasses.replace(cfg.model, checkpoint_activations=checkpoint_activations)
+
+
 def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None) -> int:
     """One micro-batch's activation bytes for the configured model, micro-batch, precision and loss
     (``model.sizes.activation_bytes``); ``checkpoint_activations`` overrides the model's setting."""
     from megatron.model.sizes import activation_bytes
-    model_cfg = cfg.model
-    if checkpoint_activations is not None:
-        model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
-    return activation_bytes(model_cfg, padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
+    return activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
                             compute_bytes_of(cfg), fused_cross_entropy=cfg.training.fused_cross_entropy)
 
 
@@ -65,10 +69,7 @@ def autocast_copies_from_config(cfg, padded_vocab: int, checkpoint_activations: 
     """One process's autocast copies of its weights at the start of backward
     (``model.sizes.autocast_copy_bytes``; the memory model counts them only at world size 1);
     ``checkpoint_activations`` overrides the model's setting."""
-    model_cfg = cfg.model
-    if checkpoint_activations is not None:
-        model_cfg = dataclasses.replace(model_cfg, checkpoint_activations=checkpoint_activations)
-    return autocast_copy_bytes(model_cfg, padded_vocab, compute_bytes_of(cfg), cfg.training.fused_cross_entropy)
+    return autocast_copy_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, compute_bytes_of(cfg), cfg.training.fused_cross_entropy)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

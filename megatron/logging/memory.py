@@ -7,8 +7,9 @@ reset per phase) is recorded beside it. Where /proc is missing (not Linux) the h
 
 On a CPU run, ``AllocatorTrace`` gives the counterpart of the GPU's figure: each phase's peak of the
 bytes torch's CPU allocator holds, from torch.profiler's memory events (one event per allocation
-and free, followed by address; a mapped file counts as one allocation of its size). The resident set also counts the allocator's freed-but-kept pages, the
-interpreter and file pages; the allocator's count is the quantity the memory model's terms add up.
+and free, followed by address; a mapped file counts as one allocation of its size). The resident
+set also counts the allocator's freed-but-kept pages, the interpreter and file pages; the
+allocator's count is the quantity the memory model's terms add up.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def allocator_peaks(roots) -> dict[str, int]:
     for name, begin, end in windows:
         first, last = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
         at_start = held[first - 1] if first else 0
-        peaks[name] = max(peaks.get(name, 0), at_start, *held[first:last])
+        peaks[name] = max(peaks.get(name, 0), at_start, max(held[first:last], default=0))
     return peaks
 
 

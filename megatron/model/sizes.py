@@ -18,17 +18,20 @@ def unit_parameter_counts(model_cfg: ModelConfig, vocab_size: int) -> list[int]:
     With tied embeddings the shared matrix is counted once, in the embedding unit; the final unit
     then holds only its LayerNorm.
     """
-    h, f, v = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size
+    h, v = model_cfg.hidden_size, vocab_size
     embed = v * h
-    block = (
-        2 * (2 * h)              # input and post-attention LayerNorms (weight + bias)
-        + (3 * h * h + 3 * h)    # fused QKV projection
-        + (h * h + h)            # attention output projection
-        + (h * f + f)            # MLP in
-        + (f * h + h)            # MLP out
-    )
+    block = 2 * (2 * h) + block_linear_parameters(model_cfg)  # + input and post-attention LayerNorms
     final = 2 * h + (v * h if model_cfg.no_weight_tying else 0)
     return [embed] + [block] * model_cfg.num_layers + [final]
+
+
+def block_linear_parameters(model_cfg: ModelConfig) -> int:
+    """Weights and biases of one block's four nn.Linear layers (its parameters but the LayerNorms)."""
+    h, f = model_cfg.hidden_size, intermediate_size_of(model_cfg)
+    return ((3 * h * h + 3 * h)    # fused QKV projection
+            + (h * h + h)          # attention output projection
+            + (h * f + f)          # MLP in
+            + (f * h + h))         # MLP out
 
 
 def unit_parameter_shapes(model_cfg: ModelConfig, vocab_size: int) -> list[list[tuple[str, tuple]]]:
@@ -89,8 +92,8 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     two intermediate tensors (2 TI): (12 h + 2 I) T elements. Under activation checkpointing a block
     keeps only its input (T h) and one block is recomputed at a time, after the head's backward has
     freed the head's share: the larger of the two is held, not both; the recomputed block's backward
-    starts with the gradients of its output and of the MLP's wide input too ((h + I) T). The head keeps the final
-    LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
+    starts with the gradients of its output and of the MLP's wide input too ((h + I) T). The head
+    keeps the final LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
     log-softmax and, during backward, their gradient (3 TV).
 
     With ``fused_cross_entropy`` the head keeps instead the LayerNorm's input and the hidden
@@ -120,10 +123,9 @@ def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int
     0 in fp32, and for the sharded engine, whose gathered weights are already in the compute dtype."""
     if elem_bytes >= 4:
         return 0
-    h, inner = model_cfg.hidden_size, intermediate_size_of(model_cfg)
-    block = (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+    block = block_linear_parameters(model_cfg)
     blocks = block if model_cfg.checkpoint_activations else model_cfg.num_layers * block
-    head = 0 if fused_cross_entropy else vocab_size * h
+    head = 0 if fused_cross_entropy else vocab_size * model_cfg.hidden_size
     return (blocks + head) * elem_bytes
 
 
