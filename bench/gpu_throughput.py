@@ -11,6 +11,8 @@ Rows (``--rows``; the default runs all but ours_compile_fused_ce), in this order
   ours_fused_ce  ours with training.fused_cross_entropy (the head's loss chunk by chunk, no whole logits)
   ours_compile   ours with training.compile (each block's forward through torch.compile)
   ours_compile_fused_ce  both (not a default row: a third compilation)
+  ours_recompute ours with checkpoint_activations (full recompute; not a default row)
+  ours_selective ours with checkpoint_activations and recompute_granularity: selective (not a default row)
   hf             GPTNeoXForCausalLM, the loop a user writes: fp32 weights, autocast, fused AdamW, clip 1.0
   hf_compile     the same with torch.compile(model)
 
@@ -22,7 +24,8 @@ step + the loss read back (the loop's one host sync). TFLOPS per device from
 megatron.model.sizes.model_flops_per_token (the formula the training log and the time model use),
 MFU against the device's peak dense rate in --precision (megatron.logging.throughput; `-` when
 unknown, e.g. on a CPU), peak memory (the GPU's max allocation, or the process's RSS on a CPU)
-over the timed steps. Ratios are taken against the hf and hf_compile rows of the same run.
+over the timed steps. Ratios (the base row's time over this row's: above 1 is faster) are taken
+against the ours, hf and hf_compile rows of the same run.
 """
 from __future__ import annotations
 
@@ -44,17 +47,21 @@ from megatron.logging.throughput import Throughput, device_peak_flops
 from megatron.model import GPTNeoX
 from megatron.model.sizes import model_flops_per_token
 
-ROWS = ("ours", "ours_fused_ce", "ours_compile", "ours_compile_fused_ce", "hf", "hf_compile")
-DEFAULT_ROWS = tuple(row for row in ROWS if row != "ours_compile_fused_ce")
+ROWS = ("ours", "ours_fused_ce", "ours_compile", "ours_compile_fused_ce", "ours_recompute", "ours_selective", "hf",
+        "hf_compile")
+DEFAULT_ROWS = tuple(row for row in ROWS if row not in ("ours_compile_fused_ce", "ours_recompute", "ours_selective"))
+# The rows that change the model's activation checkpointing (the weights stay the same).
+RECOMPUTE = {"ours_recompute": dict(checkpoint_activations=True),
+             "ours_selective": dict(checkpoint_activations=True, recompute_granularity="selective")}
 # name: (layers, hidden, heads, seq, micro-batch, vocab); all parallel residual, rotary 0.5, untied
 SHAPES = {"1b": (16, 2048, 16, 2048, 8, 50432), "tiny": (2, 64, 4, 64, 2, 512)}
 PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "fp16", "fp32": "fp32"}
 
 
-def model_config(shape: tuple) -> ModelConfig:
+def model_config(shape: tuple, **overrides) -> ModelConfig:
     layers, hidden, heads, seq, _micro, vocab = shape
     return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
-                       rotary_pct=0.5, gpt_j_residual=True, no_weight_tying=True, padded_vocab_size=vocab)
+                       rotary_pct=0.5, gpt_j_residual=True, no_weight_tying=True, padded_vocab_size=vocab, **overrides)
 
 
 def parse_shape(text: str) -> tuple:
@@ -173,7 +180,7 @@ def measure(rows: list[str], shape: tuple, precision: str, device: torch.device,
     results = []
     for name in rows:
         torch.manual_seed(1234)
-        model = GPTNeoX(cfg, cfg.padded_vocab_size)  # the same initial weights for every row
+        model = GPTNeoX(model_config(shape, **RECOMPUTE.get(name, {})), cfg.padded_vocab_size)  # same weights in every row
         if name.startswith("ours"):
             model.to(device)
             step = our_step(model, precision, device, fused, fused_ce=name.endswith("fused_ce"))
@@ -197,21 +204,21 @@ def table(results: list[Row], shape: tuple, precision: str, device: torch.device
     flops = model_flops_per_token(cfg, cfg.padded_vocab_size)
     peak = device_peak_flops(device, precision)
     by_name = {r.name: r for r in results}
-    head = ("| row | s/step | tokens/s | TFLOPS | MFU | peak GB | vs hf | vs hf_compile | first loss | last loss |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| row | s/step | tokens/s | TFLOPS | MFU | peak GB | vs ours | vs hf | vs hf_compile | first loss | last loss |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines, records = [head], []
     for r in results:
         speed = Throughput(tokens, r.seconds, flops, 1, peak)
-        ratio = {base: by_name[base].seconds / r.seconds if base in by_name else None for base in ("hf", "hf_compile")}
+        ratio = {base: by_name[base].seconds / r.seconds if base in by_name else None for base in ("ours", "hf", "hf_compile")}
         record = {"row": r.name, "s_per_step": r.seconds, "tokens_per_sec": speed.tokens_per_sec,
                   "tflops": speed.flops_per_sec_per_gpu / 1e12, "mfu": speed.mfu, "peak_bytes": r.peak_bytes,
-                  "vs_hf": ratio["hf"], "vs_hf_compile": ratio["hf_compile"], "losses": r.losses}
+                  "vs_ours": ratio["ours"], "vs_hf": ratio["hf"], "vs_hf_compile": ratio["hf_compile"], "losses": r.losses}
         records.append(record)
         cell = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(f"| {r.name} | {r.seconds:.4f} | {speed.tokens_per_sec:,.0f} | {record['tflops']:.4g} | "
                      f"{cell(None if speed.mfu is None else 100 * speed.mfu, '.1f')}{'' if speed.mfu is None else '%'} | "
                      f"{cell(None if r.peak_bytes is None else r.peak_bytes / 1e9, '.2f')} | "
-                     f"{cell(ratio['hf'], '.3f')} | {cell(ratio['hf_compile'], '.3f')} | "
+                     f"{cell(ratio['ours'], '.3f')} | {cell(ratio['hf'], '.3f')} | {cell(ratio['hf_compile'], '.3f')} | "
                      f"{r.losses[0]:.4f} | {r.losses[-1]:.4f} |")
     return "\n".join(lines), records
 

@@ -32,7 +32,8 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
         import megatron.model.gpt_neox as gpt_neox
         from torch.utils.checkpoint import checkpoint
         gpt_neox.checkpoint = lambda fn, *args, **kw: checkpoint(fn, *args, **dict(kw, use_reentrant=True))
-    model = build_model(checkpoint_activations=run.get("checkpoint_activations", False))
+    model = build_model(checkpoint_activations=run.get("checkpoint_activations", False),
+                        recompute_granularity=run.get("recompute_granularity", "full"))
     topology = Topology.simulated(layout)
     layout = (ShardLayout.from_topology(topology, validate_factors(topology.world_size, *run["factors"]))
               if "factors" in run else ShardLayout.from_topology(topology, preset=run.get("preset")))
@@ -289,6 +290,9 @@ RUNS_4 = [{"name": "zero_topo", "preset": "zero_topo"}, {"name": "stage3", "pres
           {"name": "zero_topo_fused_ce", "preset": "zero_topo", "fused_cross_entropy": True},
           {"name": "stage3_fused_ce_recompute", "preset": "stage3", "checkpoint_activations": True,
            "fused_cross_entropy": True},
+          # recompute_granularity selective: no matmul recomputed, the same gathers as full recompute
+          {"name": "selective_recompute", "preset": "stage3", "checkpoint_activations": True,
+           "recompute_granularity": "selective"},
           # Last: it patches the model module's checkpoint function for the rest of the process.
           {"name": "reentrant_recompute", "preset": "zero_topo", "checkpoint_activations": True, "reentrant": True}]
 
@@ -322,6 +326,13 @@ def test_the_fused_loss_moves_the_same_bytes(four_ranks):
     results, _ = four_ranks
     assert results[0]["zero_topo_fused_ce"]["ledgers"] == results[0]["zero_topo"]["ledgers"]
     assert results[0]["stage3_fused_ce_recompute"]["ledgers"] == results[0]["recompute"]["ledgers"]
+
+
+def test_selective_recompute_moves_the_same_bytes(four_ranks):
+    """A selectively checkpointed block still runs its forward again in backward (its LayerNorms need
+    their weights), so the engine gathers it for the recompute exactly as under full recompute."""
+    results, _ = four_ranks
+    assert results[0]["selective_recompute"]["ledgers"] == results[0]["recompute"]["ledgers"]
 
 
 @pytest.mark.parametrize("name", ["zero_topo", "zeropp", "stage3", "zero_topo_fused_ce"])

@@ -73,6 +73,15 @@ CONFIG_MISTAKES = [
     pytest.param(None, ["--set", "memory_report_allocator=true"],
                  "deepy: error: memory_report_allocator: adds the allocator's peaks to the memory report, which is "
                  "off (in --set); set memory_report: true as well", id="allocator-without-report"),
+    pytest.param(None, ["--set", "recompute_granularity=selective"],
+                 "deepy: error: recompute_granularity: 'selective' says what a checkpointed block recomputes, and "
+                 "checkpoint_activations is off (in --set); set checkpoint_activations: true",
+                 id="selective-without-checkpointing"),
+    pytest.param(None, ["--set", "recompute_granularity=selective", "--set", "checkpoint_activations=true",
+                        "--set", "compile=true"],
+                 "deepy: error: recompute_granularity: 'selective' and compile: true do not go together (torch.compile "
+                 "does not trace under selective checkpointing: the blocks would run eager) (in --set); keep one: "
+                 "compile, or recompute_granularity: selective", id="selective-with-compile"),
     pytest.param(None, ["--set", "num_layers"],
                  "deepy: error: --set 'num_layers': expected KEY=VALUE, e.g. --set train_iters=100 or "
                  "--set zero_optimization.stage=3", id="bad-set"),

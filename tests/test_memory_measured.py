@@ -83,6 +83,23 @@ def test_hpz_secondary_copy_is_held_in_the_step_only_by_hand():
     assert peaks["build"]["states"] == peaks["save"]["states"] == peaks["load"]["states"] == 1530
 
 
+def test_the_step_is_the_larger_of_two_moments_by_hand():
+    """zero_topo on 2x2x2, bf16, units (100, 240, 240, 96): states 2380 and two gathered units 960
+    at both moments; in a block's backward also the unit gradient 480 and the reduction's output 240.
+    So the start of backward makes the peak when its activations lead by more than those 720 bytes,
+    and then it holds no reduction term."""
+    from megatron.analytic.comm_model import CommSpec
+    spec = CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2)
+    assert predict_peak_bytes(spec, (1000, 200))["step"] == {
+        "states": 2380, "gathered units": 960, "unit gradient": 0, "reduction output": 0, "activations": 1000,
+        "total": 4340}
+    assert predict_peak_bytes(spec, (1000, 500))["step"] == {
+        "states": 2380, "gathered units": 960, "unit gradient": 480, "reduction output": 240, "activations": 500,
+        "total": 4560}
+    # one figure is taken for both moments: the reductions are added to it (the conservative reading)
+    assert predict_peak_bytes(spec, 1000)["step"]["total"] == 2380 + 960 + 720 + 1000
+
+
 def test_peak_model_by_hand():
     """predict_peak_bytes term by term on units (100, 240, 240, 96), zero_topo on 2x2x2, bf16:
     S = (104, 240, 240, 96) padded to N = 8, (w, g, os) = (2, 4, 8), c = 2."""

@@ -16,7 +16,7 @@ from megatron.config.quant_spec import QuantSpec
 from megatron.topology.names import ALL_GATHER, REDUCE_SCATTER
 from megatron.topology.algorithms import ALL_TO_ALL_SUM, RING_ALLGATHER, RING_REDUCE_SCATTER
 from megatron.analytic.hardware import PROBE_FORMAT, Device, Hardware, TierLink
-from megatron.analytic.time_model import (COMPUTE, OPTIMIZER, StepWork, algorithm_of, footprint,
+from megatron.analytic.time_model import (COMPUTE, OPTIMIZER, RECOMPUTE, StepWork, algorithm_of, footprint,
                                            footprint_time_s, ledger_bytes_by_tier, scaling_efficiency, step_time)
 
 # Round figures so the hand arithmetic stays readable: bytes/s into one domain, seconds per step.
@@ -107,6 +107,19 @@ def test_a_step_with_nothing_overlapped_is_the_sum_of_its_parts():
     assert st.hidden_s == pytest.approx(0.0)
     assert st.model_flops == pytest.approx(3 * sum(FLOPS_PER_TOKEN) * TOKENS)
     assert st.tflops_per_device == pytest.approx(st.model_flops / st.total_s / 1e12)
+
+
+@pytest.mark.parametrize("matmuls", [True, False])
+def test_a_checkpointed_block_recomputes_its_forward_unless_selective(matmuls):
+    # Block 1 checkpointed: full recompute runs its forward (4 s) again before its backward;
+    # selective recompute repeats no matmul (nothing the FLOP formula counts). Either way the
+    # block's backward gather is the recompute's (recompute_gather), same ring.
+    work = StepWork(TOKENS, FLOPS_PER_TOKEN, prefetch_gathers=False, overlap_comm=False, recompute_matmuls=matmuls)
+    st = step_time(zero3_spec(checkpointed_units={1}), toy_hardware(), work)
+    assert st.exposed_s.get(RECOMPUTE, 0.0) == pytest.approx(4.0 if matmuls else 0.0)
+    assert st.exposed_s["recompute_gather"] == pytest.approx(RING)
+    assert st.exposed_s["bwd_gather"] == pytest.approx(RING)  # the head's neighbour, unit 0
+    assert st.model_flops == pytest.approx(3 * sum(FLOPS_PER_TOKEN) * TOKENS)  # recompute is not model work
 
 
 def test_prefetch_and_overlapped_reduction_hide_what_the_schedule_says():

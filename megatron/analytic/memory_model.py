@@ -83,11 +83,12 @@ def neox_unit_sizes(num_layers: int, hidden_size: int, num_attention_heads: int,
 PEAK_PHASES = ("build", "step", "save", "load")
 
 
-def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: int = 0) -> dict:
+def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) -> dict:
     """{phase: {term: bytes, ..., 'total'}}: what one rank holds at the peak of each phase, above the
     process's own baseline (interpreter and libraries, measured), following docs/engine.md's build,
-    step, save and load. ``activations`` is the model's estimate for one micro-batch
-    (megatron.model.sizes.activation_bytes). A layout of one rank runs the single-process engine,
+    step, save and load. ``activations`` is the model's estimate for one micro-batch: a pair, at the
+    start of backward and in the first block's backward (megatron.model.sizes.backward_activation_bytes),
+    or one figure taken for both. A layout of one rank runs the single-process engine,
     not the sharded one: ``predict_single_process_peak_bytes`` (``autocast_copies`` counts there only).
 
     ZeRO++'s secondary copy (hpZ) is a state of the step only: each step's first gather of a unit
@@ -103,10 +104,13 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
       With error feedback the states include the residuals, which the engine allocates after the
       last unit is built: the real build peak is the larger of (states without them + one unit)
       and all the states, so this over-predicts the build by up to the residuals (docs/memory.md).
-    - step: the states, plus up to two sharded units gathered or in flight (prefetch), the gathered
-      unit's gradient (S x c) and the reduction's first output (S / w x c) — with overlap_comm, the
-      unit gradient autograd is producing plus M = reduce_buckets_in_flight pieces in flight, each
-      its input and first output (p x c + p / w x c, p = min(S, bucket)) — plus the activations.
+    - step: the larger of two moments. In a block's backward: the states, plus up to two sharded
+      units gathered or in flight (prefetch), the gathered unit's gradient (S x c) and the
+      reduction's first output (S / w x c) — with overlap_comm, the unit gradient autograd is
+      producing plus M = reduce_buckets_in_flight pieces in flight, each its input and first output
+      (p x c + p / w x c, p = min(S, bucket)) — plus that moment's activations. At the start of
+      backward (the head's backward, before any unit's gradient exists): the states, the two
+      gathered units and that moment's activations, no reduction.
     - save: the states, plus this rank's fp32 master and moments cloned into the file's pieces (with
       weight deltas also the weights held, in the compute dtype), and with error feedback its
       residuals too (each rank's file carries its own: state_io). Weight deltas hold no other state:
@@ -119,6 +123,7 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
     """
     if spec.world_size == 1:
         return predict_single_process_peak_bytes(spec, activations, autocast_copies)
+    at_start, in_backward = _activation_moments(activations)
     held = predict_model_state_bytes(spec)["per_rank"]
     states, residuals = held["total"], held.get("error_feedback", 0)
     between_steps = states - held["secondary"]  # hpZ's copy lives from a step's first gather to its end
@@ -133,8 +138,10 @@ def predict_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: in
     terms = {
         "build": {"states": between_steps, "unit being built (host)": built_p * FP32_BYTES,
                   "unit being built (device)": built_s * (FP32_BYTES + c)},
-        "step": {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
-                 **_reduction_terms(spec, largest), "activations": activations},
+        "step": _larger({"states": states, "gathered units": (2 * largest * c) if sharded else 0,
+                         **_reduction_terms(spec, largest), "activations": in_backward},
+                        {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
+                         **dict.fromkeys(_reduction_terms(spec, largest), 0), "activations": at_start}),
         "save": {"states": between_steps, "checkpoint pieces": sum(s // os_ for s in sizes) * piece_bytes + residuals},
         "load": {"states": between_steps, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
@@ -165,6 +172,7 @@ def predict_single_process_peak_bytes(spec: CommSpec, activations: int = 0, auto
     """
     params = sum(spec.unit_numels) * FP32_BYTES
     moments = 2 * params
+    activations = max(_activation_moments(activations))  # no reductions: the larger moment is the peak
     backward = activations + autocast_copies + (params if spec.micro_batches > 1 else 0)
     at_backward = {"gradients": params if spec.micro_batches > 1 else 0, "activations": activations,
                    "autocast copies": autocast_copies}
@@ -195,6 +203,19 @@ def device_peak_bytes(peaks: dict) -> int:
     """The largest phase total of ``predict_peak_bytes`` without its host terms: what must fit in a
     GPU's memory (on a CPU run host and device are one memory; use the phase totals there)."""
     return max(device_phase_bytes(phase) for phase in peaks.values())
+
+
+def _activation_moments(activations) -> tuple[int, int]:
+    """(start of backward, in a block's backward) from a pair, or one figure taken for both."""
+    if isinstance(activations, int):
+        return activations, activations
+    at_start, in_backward = activations
+    return at_start, in_backward
+
+
+def _larger(*moments: dict) -> dict:
+    """The moment whose terms sum to the most (the first of equals)."""
+    return max(moments, key=lambda terms: sum(terms.values()))
 
 
 def _reduction_terms(spec: CommSpec, largest: int) -> dict:

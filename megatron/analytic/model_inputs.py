@@ -57,11 +57,12 @@ def _model_with(cfg, checkpoint_activations: Optional[bool]):
     return dataclasses.replace(cfg.model, checkpoint_activations=checkpoint_activations)
 
 
-def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None) -> int:
-    """One micro-batch's activation bytes for the configured model, micro-batch, precision and loss
-    (``model.sizes.activation_bytes``); ``checkpoint_activations`` overrides the model's setting."""
-    from megatron.model.sizes import activation_bytes
-    return activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
+def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None):
+    """One micro-batch's activation bytes for the configured model, micro-batch, precision and loss,
+    at the start of backward and in a block's backward (``model.sizes.backward_activation_bytes``);
+    ``checkpoint_activations`` overrides the model's setting."""
+    from megatron.model.sizes import backward_activation_bytes
+    return backward_activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
                             compute_bytes_of(cfg), fused_cross_entropy=cfg.training.fused_cross_entropy)
 
 
@@ -77,7 +78,8 @@ def step_work_from_config(cfg, padded_vocab: int):
     from megatron.analytic.time_model import StepWork
     tokens = (cfg.training.train_micro_batch_size_per_gpu or 1) * cfg.model.seq_length
     return StepWork(tokens, unit_flops_per_token(cfg.model, padded_vocab),
-                    prefetch_gathers=bool(cfg.zero.prefetch_gathers), overlap_comm=bool(cfg.zero.overlap_comm))
+                    prefetch_gathers=bool(cfg.zero.prefetch_gathers), overlap_comm=bool(cfg.zero.overlap_comm),
+                    recompute_matmuls=cfg.model.recompute_granularity == "full")
 
 
 def backend_of(cfg) -> str:

@@ -45,7 +45,9 @@ class PlanInputs:
     compute_bytes: int
     fp32_allreduce: bool
     activation_bytes: dict
-    """{checkpointed: bytes of one micro-batch's activations}: the choices of activation checkpointing."""
+    """{checkpointed: one micro-batch's activation bytes, at the start of backward and in a block's
+    backward (``model.sizes.BackwardActivations``, or one figure for both)}: the choices of activation
+    checkpointing."""
     hardware: Hardware
     memory_budget: float
     reductions_in_flight: int = 2

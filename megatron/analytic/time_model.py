@@ -16,8 +16,8 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   ``steps x latency`` plus the bytes through the busiest domain of the slowest tier spanned over
   the curve's rate at B / k bytes per step.
   Quantized collectives add their kernels' time (quantize + dequantize) at the device's rate.
-- Compute. Model FLOPs of each unit (forward; backward twice that; a recompute under activation
-  checkpointing once more) over the device's *achieved* FLOP/s, and the AdamW update of this rank's
+- Compute. Model FLOPs of each unit (forward; backward twice that; a recompute under full activation
+  checkpointing once more, none under selective, which repeats no matmul) over the device's *achieved* FLOP/s, and the AdamW update of this rank's
   1/os slice at the device's optimizer rate.
 - Overlap, as the engine schedules it (docs/engine.md "Prefetch", "Overlapped gradient reduction"):
   with ``prefetch_gathers`` the gather of the next unit runs behind the current unit's compute; with
@@ -262,6 +262,10 @@ class StepWork:
     prefetch_gathers: bool = True
     overlap_comm: Optional[bool] = None
     """None: from the spec (reductions_in_flight > 0)."""
+    recompute_matmuls: bool = True
+    """A checkpointed unit's recompute repeats its forward FLOPs (``recompute_granularity: full``).
+    False under ``selective``, which repeats no matmul and no attention: what it recomputes (LayerNorms,
+    rotary, GELU) is outside the FLOP formula, as in the forward."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +354,7 @@ def step_time(spec: CommSpec, hw: Hardware, work: StepWork, collectives: Optiona
                 line.exposed_transfers(comm("gather_b", u, m))
             if overlap and u + 1 < units:
                 behind = behind + comm("reduce", u + 1, m)
-            recompute = fwd[u] if u in spec.checkpointed_units else 0.0
+            recompute = fwd[u] if u in spec.checkpointed_units and work.recompute_matmuls else 0.0
             line.window({COMPUTE: 2 * fwd[u], RECOMPUTE: recompute}, behind)
             if not overlap:
                 line.exposed_transfers(comm("reduce", u, m))

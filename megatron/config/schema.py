@@ -47,6 +47,11 @@ class ModelConfig:
     attention_dropout: float = doc(0.0, "Dropout on attention probabilities.", ge=0.0, lt=1.0)
     checkpoint_activations: bool = doc(False, "Recompute each block's activations in backward (activation checkpointing).")
     checkpoint_num_layers: int = doc(1, "Blocks per checkpointed segment (only 1 is supported).", choices=(1,))
+    recompute_granularity: str = doc(
+        "full", "With checkpoint_activations, what a block recomputes in backward: 'full' (the whole block; "
+        "keeps only its input) or 'selective' (keeps the outputs of its matmuls and of attention, recomputes "
+        "the LayerNorms, rotary, GELU and copies between them: no matmul is recomputed). Megatron-LM's name.",
+        choices=("full", "selective"))
     make_vocab_size_divisible_by: int = doc(128, "Pad the vocabulary to a multiple of this.", ge=1)
     padded_vocab_size: Optional[int] = doc(None, "Derived: tokenizer vocab padded to make_vocab_size_divisible_by (None until the vocabulary is known: train.py calls pad_vocab_size after loading the tokenizer).", derived=True)
 

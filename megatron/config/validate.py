@@ -85,6 +85,16 @@ def _model(cfg: NeoXConfig, ctx: _Context, env) -> None:
                         "raise it or leave it unset (it defaults to seq_length)")
     if m.intermediate_size is None:
         m.intermediate_size = 4 * m.hidden_size
+    if m.recompute_granularity == "selective":
+        if not m.checkpoint_activations:
+            raise ctx.error("model.recompute_granularity", "'selective' says what a checkpointed block recomputes, "
+                            "and checkpoint_activations is off", "set checkpoint_activations: true")
+        if cfg.training.compile:
+            # Selective checkpointing runs the block under a dispatch mode, and torch.compile does
+            # not trace under one: the blocks would run eager without a word.
+            raise ctx.error("model.recompute_granularity", "'selective' and compile: true do not go together "
+                            "(torch.compile does not trace under selective checkpointing: the blocks would run eager)",
+                            "keep one: compile, or recompute_granularity: selective")
 
 
 def _optimizer(cfg: NeoXConfig, ctx: _Context, env) -> None:

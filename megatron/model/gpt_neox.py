@@ -18,13 +18,15 @@ No distributed code lives here.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from megatron.config.errors import ConfigError
 from megatron.config.schema import ModelConfig
@@ -87,6 +89,9 @@ def validate_model_config(cfg: ModelConfig, vocab_size: int | None) -> None:
     rot = rotary_dims_of(cfg)
     if rot < 2 or rot % 2:
         fail(f"rotary_pct {cfg.rotary_pct} rotates {rot} dims per head; it must be an even number >= 2")
+    if cfg.recompute_granularity == "selective" and not cfg.checkpoint_activations:
+        fail("recompute_granularity 'selective' says what a checkpointed block recomputes; "
+             "it needs checkpoint_activations: true")
     if cfg.checkpoint_num_layers != 1:
         fail(f"checkpoint_num_layers {cfg.checkpoint_num_layers} is not supported; use 1")
     if max_positions_of(cfg) < cfg.seq_length:
@@ -228,6 +233,33 @@ class OutputHead(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Selective recompute (recompute_granularity: selective)
+# ---------------------------------------------------------------------------------------------------
+
+def _matmul_and_attention_ops() -> frozenset:
+    """The aten ops that do a block's FLOPs: its four projections (``addmm``, or ``mm`` without a
+    bias) and SDPA's fused kernels, whichever this build has. SDPA's math fallback (a mask, or no
+    fused kernel) decomposes into ``bmm`` and softmax: left out, so it is recomputed rather than
+    keeping its [T, T] scores."""
+    names = ("mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+
+
+_KEPT_OPS = _matmul_and_attention_ops()
+
+
+def _keep_if_matmul_or_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # The same decision in forward and in the recompute: torch then hands the recompute the kept
+    # outputs in the order forward made them.
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# checkpoint(context_fn=...) calls it once per checkpointed call, for fresh caching contexts.
+keep_matmuls_and_attention = functools.partial(create_selective_checkpoint_contexts, _keep_if_matmul_or_attention)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Initialisation (NeoX's methods)
 # ---------------------------------------------------------------------------------------------------
 
@@ -356,9 +388,10 @@ class GPTNeoX(nn.Module):
         if self.checkpoint_activations and torch.is_grad_enabled():
             # Early stop off: the recompute in backward runs the whole block's __call__, so the
             # engine's pre- AND post-forward hooks fire again (gather, then free) for every block.
+            selective = {"context_fn": keep_matmuls_and_attention} if self.config.recompute_granularity == "selective" else {}
             with set_checkpoint_early_stop(False):
                 for block in self.layers:
-                    h = checkpoint(block, h, rope, use_reentrant=False)
+                    h = checkpoint(block, h, rope, use_reentrant=False, **selective)
         else:
             for block in self.layers:
                 h = block(h, rope)

@@ -5,6 +5,8 @@ model without building it; a test checks them against a built ``GPTNeoX``.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import nn
 
 from megatron.config.schema import ModelConfig
@@ -82,17 +84,40 @@ def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: i
     return 3.0 * sum(unit_flops_per_token(model_cfg, vocab_size, seq_length))
 
 
+class BackwardActivations(NamedTuple):
+    """One micro-batch's activation bytes at the two moments that can make the step's peak."""
+    start: int
+    """The start of backward: every block's share and the head's (its backward holds the most)."""
+    during: int
+    """The first block's backward, the head's share freed: every block's share, what the block
+    recomputes, and the gradients its backward starts with. Gradient reductions are in flight from
+    here on (the memory model adds them to this moment only)."""
+
+
 def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int,
                      fused_cross_entropy: bool = False) -> int:
-    """Bytes autograd keeps for one micro-batch at the start of backward (the step's activation peak).
+    """Bytes autograd keeps for one micro-batch at the step's activation peak: the larger moment of
+    ``backward_activation_bytes``."""
+    return max(backward_activation_bytes(model_cfg, vocab_size, micro_batch, elem_bytes, fused_cross_entropy))
+
+
+def backward_activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int,
+                              fused_cross_entropy: bool = False) -> BackwardActivations:
+    """Bytes autograd holds for one micro-batch at the start of backward and in the first block's
+    backward (``BackwardActivations``).
 
     Counted from the model's forward (gpt_neox.py), per block for T = micro_batch x seq tokens:
     the block input and both LayerNorm outputs (3 Th), the QKV output (3 Th), rotary's inputs and
     outputs for q and k (4 Th), attention's output and the dense layer's input copy (2 Th), the MLP's
     two intermediate tensors (2 TI): (12 h + 2 I) T elements. Under activation checkpointing a block
     keeps only its input (T h) and one block is recomputed at a time, after the head's backward has
-    freed the head's share: the larger of the two is held, not both; the recomputed block's backward
-    starts with the gradients of its output and of the MLP's wide input too ((h + I) T). The head
+    freed the head's share; the recomputed block's backward starts with the gradients of its output
+    and of the MLP's wide input ((h + I) T), as does a block's backward without checkpointing. Under
+    ``recompute_granularity: selective`` a block keeps its input and the outputs of its matmuls and
+    attention: the QKV output (3 Th), attention's, the two projections back to h (3 Th) and the MLP's
+    wide one (TI), (7 h + I) T; its recompute makes the rest, the LayerNorm outputs (2 Th), the rotated
+    q and k (2 Th), the dense layer's input copy (Th) and GELU's output (TI), (5 h + I) T (rotary's
+    inputs are views of the QKV output: no bytes of their own). The head
     keeps the final LayerNorm's input and output (2 Th) and, in fp32 whatever the compute dtype, the logits, their
     log-softmax and, during backward, their gradient (3 TV).
 
@@ -107,10 +132,14 @@ def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, 
     tokens = micro_batch * model_cfg.seq_length
     block = (12 * h + 2 * inner) * tokens * elem_bytes
     head = head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
-    if model_cfg.checkpoint_activations:
-        recomputed = block + (h + inner) * tokens * elem_bytes  # + its output's and the MLP's gradients
-        return layers * tokens * h * elem_bytes + max(recomputed, head)
-    return layers * block + head
+    grads = (h + inner) * tokens * elem_bytes  # a block's output and MLP-input gradients
+    if model_cfg.checkpoint_activations and model_cfg.recompute_granularity == "selective":
+        kept, recomputed = ((k * h + inner) * tokens * elem_bytes for k in (7, 5))
+    elif model_cfg.checkpoint_activations:
+        kept, recomputed = tokens * h * elem_bytes, block
+    else:
+        kept, recomputed = block, 0
+    return BackwardActivations(layers * kept + head, layers * kept + recomputed + grads)
 
 
 def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int,
@@ -131,7 +160,7 @@ def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int
 
 def head_activation_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                           fused_cross_entropy: bool) -> int:
-    """The output head's share of ``activation_bytes`` (its docstring says what is counted)."""
+    """The output head's share of ``backward_activation_bytes`` (its docstring says what is counted)."""
     t, h, v, e = tokens, hidden_size, vocab_size, elem_bytes
     if not fused_cross_entropy:
         return 2 * t * h * e + 3 * t * v * 4
