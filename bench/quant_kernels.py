@@ -11,16 +11,29 @@ reference's time over the kernel's time; `% copy` is the kernel's GB/s as a shar
 memory bound: issue 26's goals are 60% for quantize and dequantize, 40% for reduce_requantize). `--accuracy` adds the relative RMS error per block size
 (and the bytes the scales add per element), the other half of choosing a default block size.
 Implementations: reference and cpp on CPU; triton on a CUDA/ROCm device (`--device cuda`).
+`--baseline-kernels FILE` adds `baseline`: the Triton kernels of another version of
+megatron/ops/quant/triton_kernels.py, timed by the same clock in the same run (an A/B of a kernel
+change; its output is first compared with the reference's, bit for bit):
+
+    mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
+    python bench/quant_kernels.py --device cuda --sizes 16M --impls triton,baseline \
+        --baseline-kernels cache/kernels_before.py
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megatron.ops.quant import get_quantizer
+from megatron.ops.quant.base import Quantizer
+from megatron.ops.quant.reference import ReferenceQuantizer
+
+BASELINE = "baseline"
 
 
 def parse_count(text: str) -> int:
@@ -86,8 +99,8 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
           f"{copy_rate / 1e9:8.2f}{1.0:9.2f}{'':>8}{100.0:8.1f}")
     reference_times: dict[tuple, float] = {}
     for impl in args.impls:
-        quantizer = get_quantizer(impl, device)
-        if quantizer.name != impl:
+        quantizer = args.baseline if impl == BASELINE else get_quantizer(impl, device)
+        if quantizer is None or (impl != BASELINE and quantizer.name != impl):
             print(f"{impl:<10} unavailable here, skipped")
             continue
         for bits in args.bits:
@@ -96,6 +109,9 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
                     print(f"{impl:<10}{bits:>5}{block:>7}  n not a multiple of block * k, skipped")
                     continue
                 codes, scales = quantizer.quantize(x, bits, block)
+                if impl == BASELINE and not same_as_reference(x, codes, scales, bits, block):
+                    print(f"{impl:<10}{bits:>5}{block:>7}  quantize differs from the reference: not timed")
+                    continue
                 stored = code_bytes(n, bits, block)
                 chunk = n // args.k
                 ops = {
@@ -115,6 +131,21 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
                     ratio = f"{ref / t:8.2f}" if ref else f"{'':>8}"
                     print(f"{impl:<10}{bits:>5}{block:>7}  {op:<18}{t * 1e3:9.2f}"
                           f"{moved / t / 1e9:8.2f}{t_clone / t:9.2f}{ratio}{100 * moved / t / copy_rate:8.1f}")
+
+
+def load_baseline(path: str) -> Quantizer:
+    """The TritonQuantizer of another version of triton_kernels.py, loaded as a module of
+    megatron.ops.quant so that its relative imports (``.base``) resolve to this checkout's."""
+    spec = importlib.util.spec_from_file_location("megatron.ops.quant._baseline_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.TritonQuantizer()
+
+
+def same_as_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int) -> bool:
+    want_codes, want_scales = ReferenceQuantizer().quantize(x, bits, block)
+    return torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
 
 
 def accuracy(args: argparse.Namespace) -> None:
@@ -139,7 +170,7 @@ def accuracy(args: argparse.Namespace) -> None:
         print(row)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16M,64M,256M", help="element counts, e.g. 1M,16M")
@@ -152,12 +183,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--accuracy", action="store_true", help="also print errors per block")
-    args = parser.parse_args()
+    parser.add_argument("--baseline-kernels", help="another version's triton_kernels.py, timed as impl 'baseline'")
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.blocks = [parse_count(b) for b in args.blocks.split(",")]
     args.bits = [int(b) for b in args.bits.split(",")]
     default_impls = "reference,cpp" if device.type == "cpu" else "reference,triton"
     args.impls = (args.impls or default_impls).split(",")
+    args.baseline: Optional[Quantizer] = load_baseline(args.baseline_kernels) if args.baseline_kernels else None
+    if BASELINE in args.impls and args.baseline is None:
+        parser.error("impl 'baseline' needs --baseline-kernels FILE")
+    if args.baseline is not None and BASELINE not in args.impls:
+        args.impls.append(BASELINE)
     if args.threads:
         torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):

@@ -64,3 +64,25 @@ def test_triton_on_a_cpu_tensor_without_interpreter_falls_back(caplog):
         quantizer = get_quantizer("triton", "cpu")
     assert quantizer.name == "reference"
     assert any("Triton quantization kernels unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_the_benchmark_times_another_version_of_the_kernels(tmp_path):
+    """bench/quant_kernels.py --baseline-kernels (an A/B of a kernel change on a GPU): another copy of
+    triton_kernels.py is loaded beside this one and timed as impl 'baseline', after its output is
+    compared with the reference's; a copy whose scales are off (amax / (qmax + 1)) is refused."""
+    source = (REPO / "megatron" / "ops" / "quant" / "triton_kernels.py").read_text()
+    broken = source.replace("scale = tl.math.div_rn(amax, QMAX)", "scale = tl.math.div_rn(amax, QMAX + 1)")
+    assert broken != source
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    outputs = {}
+    for name, text in (("same", source), ("broken", broken)):
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        done = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "bench" / "quant_kernels.py"), "--sizes",
+                               "16K", "--bits", "4", "--impls", "reference", "--repeat", "1",
+                               "--baseline-kernels", str(path)], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[name] = [line.split() for line in done.stdout.splitlines() if line.startswith("baseline")]
+    assert [row[3] for row in outputs["same"]] == ["quantize", "dequantize", "reduce_requant"]
+    assert " ".join(outputs["broken"][0]) == "baseline 4 2048 quantize differs from the reference: not timed"
