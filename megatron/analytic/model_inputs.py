@@ -62,8 +62,9 @@ def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Opti
     at the start of backward and in a block's backward (``model.sizes.backward_activation_bytes``);
     ``checkpoint_activations`` overrides the model's setting."""
     from megatron.model.sizes import backward_activation_bytes
-    return backward_activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, cfg.training.train_micro_batch_size_per_gpu or 1,
-                            compute_bytes_of(cfg), fused_cross_entropy=cfg.training.fused_cross_entropy)
+    return backward_activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab,
+                                     cfg.training.train_micro_batch_size_per_gpu or 1, compute_bytes_of(cfg),
+                                     fused_cross_entropy=cfg.training.fused_cross_entropy)
 
 
 def autocast_copies_from_config(cfg, padded_vocab: int, checkpoint_activations: Optional[bool] = None) -> int:

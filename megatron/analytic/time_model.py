@@ -17,8 +17,8 @@ Three parts, each a statement of what the engine does, not of a textbook algorit
   the curve's rate at B / k bytes per step.
   Quantized collectives add their kernels' time (quantize + dequantize) at the device's rate.
 - Compute. Model FLOPs of each unit (forward; backward twice that; a recompute under full activation
-  checkpointing once more, none under selective, which repeats no matmul) over the device's *achieved* FLOP/s, and the AdamW update of this rank's
-  1/os slice at the device's optimizer rate.
+  checkpointing once more, none under selective, which repeats no matmul) over the device's
+  *achieved* FLOP/s, and the AdamW update of this rank's 1/os slice at the device's optimizer rate.
 - Overlap, as the engine schedules it (docs/engine.md "Prefetch", "Overlapped gradient reduction"):
   with ``prefetch_gathers`` the gather of the next unit runs behind the current unit's compute; with
   ``overlap_comm`` a unit's gradient reduction runs behind the backward of the unit before it and the

@@ -388,10 +388,11 @@ class GPTNeoX(nn.Module):
         if self.checkpoint_activations and torch.is_grad_enabled():
             # Early stop off: the recompute in backward runs the whole block's __call__, so the
             # engine's pre- AND post-forward hooks fire again (gather, then free) for every block.
-            selective = {"context_fn": keep_matmuls_and_attention} if self.config.recompute_granularity == "selective" else {}
+            selective = self.config.recompute_granularity == "selective"
+            policy = {"context_fn": keep_matmuls_and_attention} if selective else {}
             with set_checkpoint_early_stop(False):
                 for block in self.layers:
-                    h = checkpoint(block, h, rope, use_reentrant=False, **selective)
+                    h = checkpoint(block, h, rope, use_reentrant=False, **policy)
         else:
             for block in self.layers:
                 h = block(h, rope)
