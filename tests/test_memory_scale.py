@@ -43,7 +43,7 @@ import pytest
 
 from conftest import run_deepy, tiny_run_config
 from megatron.config import load_config
-from megatron.model.sizes import activation_bytes, parameter_count
+from megatron.model.sizes import backward_activation_bytes, parameter_count
 from megatron.analytic.memory_model import predict_peak_bytes
 from megatron.analytic.model_inputs import comm_spec_from_config, padded_vocab_of
 
@@ -88,7 +88,7 @@ def _run(work: Path, cfg_path: Path, cfg, timeout: int) -> list:
 
 def _predicted(cfg) -> dict:
     vocab = padded_vocab_of(cfg)
-    acts = activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, 4)
+    acts = backward_activation_bytes(cfg.model, vocab, cfg.training.train_micro_batch_size_per_gpu, 4)
     return {phase: terms["total"] for phase, terms in predict_peak_bytes(comm_spec_from_config(cfg, vocab), acts).items()}
 
 

@@ -94,13 +94,6 @@ class BackwardActivations(NamedTuple):
     here on (the memory model adds them to this moment only)."""
 
 
-def activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int,
-                     fused_cross_entropy: bool = False) -> int:
-    """Bytes autograd keeps for one micro-batch at the step's activation peak: the larger moment of
-    ``backward_activation_bytes``."""
-    return max(backward_activation_bytes(model_cfg, vocab_size, micro_batch, elem_bytes, fused_cross_entropy))
-
-
 def backward_activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_batch: int, elem_bytes: int,
                               fused_cross_entropy: bool = False) -> BackwardActivations:
     """Bytes autograd holds for one micro-batch at the start of backward and in the first block's
