@@ -135,13 +135,13 @@ def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) 
     # a piece element: fp32 master and moments, and with weight deltas the weights held (dtype c)
     piece_bytes = 3 * FP32_BYTES + (c if spec.quant.weight_delta_bits else 0)
     built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + ps[1] * (FP32_BYTES + c))
+    in_step = {"states": states, "gathered units": (2 * largest * c) if sharded else 0}
+    reductions = _reduction_terms(spec, largest)
     terms = {
         "build": {"states": between_steps, "unit being built (host)": built_p * FP32_BYTES,
                   "unit being built (device)": built_s * (FP32_BYTES + c)},
-        "step": _larger({"states": states, "gathered units": (2 * largest * c) if sharded else 0,
-                         **_reduction_terms(spec, largest), "activations": in_backward},
-                        {"states": states, "gathered units": (2 * largest * c) if sharded else 0,
-                         **dict.fromkeys(_reduction_terms(spec, largest), 0), "activations": at_start}),
+        "step": _larger({**in_step, **reductions, "activations": in_backward},
+                        {**in_step, **dict.fromkeys(reductions, 0), "activations": at_start}),
         "save": {"states": between_steps, "checkpoint pieces": sum(s // os_ for s in sizes) * piece_bytes + residuals},
         "load": {"states": between_steps, "mapped pages": sum(s // os_ for s in sizes) * piece_bytes,
                  "unit being loaded": max(3 * (s // os_) * FP32_BYTES + (s // os_) * c * (c != FP32_BYTES)
@@ -152,7 +152,7 @@ def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) 
     return terms
 
 
-def predict_single_process_peak_bytes(spec: CommSpec, activations: int = 0, autocast_copies: int = 0) -> dict:
+def predict_single_process_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) -> dict:
     """The phases of one process (megatron/engine/single_process.py): fp32 parameters (4 P), fp32
     gradients (4 P, set to None after each step) and AdamW's two fp32 moments (8 P, made by the first
     step), none of them padded or sharded; ``autocast_copies`` are the compute-dtype copies autocast
@@ -173,14 +173,12 @@ def predict_single_process_peak_bytes(spec: CommSpec, activations: int = 0, auto
     params = sum(spec.unit_numels) * FP32_BYTES
     moments = 2 * params
     activations = max(_activation_moments(activations))  # no reductions: the larger moment is the peak
-    backward = activations + autocast_copies + (params if spec.micro_batches > 1 else 0)
-    at_backward = {"gradients": params if spec.micro_batches > 1 else 0, "activations": activations,
-                   "autocast copies": autocast_copies}
-    at_optimizer = {"gradients": params, "activations": 0, "autocast copies": 0}
+    held = {"parameters": params, "moments": moments}
     terms = {
         "build": {"parameters": params},
-        "step": {"parameters": params, "moments": moments,
-                 **(at_backward if backward > params else at_optimizer)},
+        "step": _larger({**held, "gradients": params, "activations": 0, "autocast copies": 0},  # the optimizer
+                        {**held, "gradients": params if spec.micro_batches > 1 else 0, "activations": activations,
+                         "autocast copies": autocast_copies}),  # the start of backward
         "save": {"parameters": params, "moments": moments, "checkpoint pieces": 3 * params},
         "load": {"parameters": params, "moments": moments, "mapped pages": 3 * params},
     }

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.config import pad_vocab_size
-from megatron.model.sizes import autocast_copy_bytes, unit_flops_per_token, unit_parameter_counts
+from megatron.model.sizes import (autocast_copy_bytes, backward_activation_bytes, unit_flops_per_token,
+                                  unit_parameter_counts)
 from megatron.topology.layout import ShardLayout
 from megatron.analytic.comm_model import CommSpec, transformer_block_units
 from megatron.config.quant_spec import QuantSpec
@@ -61,7 +62,6 @@ def activations_from_config(cfg, padded_vocab: int, checkpoint_activations: Opti
     """One micro-batch's activation bytes for the configured model, micro-batch, precision and loss,
     at the start of backward and in a block's backward (``model.sizes.backward_activation_bytes``);
     ``checkpoint_activations`` overrides the model's setting."""
-    from megatron.model.sizes import backward_activation_bytes
     return backward_activation_bytes(_model_with(cfg, checkpoint_activations), padded_vocab,
                                      cfg.training.train_micro_batch_size_per_gpu or 1, compute_bytes_of(cfg),
                                      fused_cross_entropy=cfg.training.fused_cross_entropy)
@@ -71,7 +71,8 @@ def autocast_copies_from_config(cfg, padded_vocab: int, checkpoint_activations: 
     """One process's autocast copies of its weights at the start of backward
     (``model.sizes.autocast_copy_bytes``; the memory model counts them only at world size 1);
     ``checkpoint_activations`` overrides the model's setting."""
-    return autocast_copy_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, compute_bytes_of(cfg), cfg.training.fused_cross_entropy)
+    return autocast_copy_bytes(_model_with(cfg, checkpoint_activations), padded_vocab, compute_bytes_of(cfg),
+                               cfg.training.fused_cross_entropy)
 
 
 def step_work_from_config(cfg, padded_vocab: int):

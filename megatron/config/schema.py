@@ -149,7 +149,7 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = doc(None, "Write tensorboard events here when set.")
     peak_tflops_per_gpu: Optional[float] = doc(None, "The device's peak dense TFLOP/s in the run's precision, the denominator of runtime/mfu; None = from the GPU's name (megatron/logging/throughput.py: H100/H200, A100, MI250X GCD, MI300X...); MFU is not logged for a device the table lacks (CPU included).", gt=0.0)
     memory_report: bool = doc(False, "Every rank writes its measured peak memory per phase (build, load, step, save: peak RSS, and the device's peak allocation on a GPU) to <log_dir>/memory/rank_<r>.json (bench/memory.py reads them).")
-    memory_report_allocator: bool = doc(False, "With memory_report on a CPU run: also each phase's peak of the bytes torch's CPU allocator holds (`allocator_peak`, the counterpart of the GPU's peak allocation; from torch.profiler's memory events, kept for the whole run: for runs of a few steps, as bench/memory.py --measure allocator). A GPU run records its own allocator's figure and ignores this.")
+    memory_report_allocator: bool = doc(False, "With memory_report on a CPU run: also each phase's peak of the bytes torch's CPU allocator holds (`allocator_peak`, the counterpart of the GPU's peak allocation; from torch.profiler's memory events, kept for the whole run: for runs of a few steps, as bench/memory.py --allocator). A GPU run records its own allocator's figure and ignores this.")
 
 
 @dataclass
