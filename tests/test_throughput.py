@@ -44,14 +44,14 @@ def test_throughput_by_hand_and_the_progress_line():
         "runtime/tokens_per_sec", "runtime/iteration_time", "runtime/flops_per_sec_per_gpu"}
 
 
-def _bench(tmp_path, rows: str) -> dict:
+def _bench(tmp_path, rows: str, *extra: str) -> dict:
     spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "bench" / "gpu_throughput.py")
     gpu_throughput = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpu_throughput  # its dataclasses look their module up there
     spec.loader.exec_module(gpu_throughput)
     out = tmp_path / "rows.json"
     assert gpu_throughput.main(["--device", "cpu", "--shape", "tiny", "--precision", "fp32", "--rows", rows,
-                                "--steps", "3", "--warmup", "1", "--json", str(out)]) == 0
+                                "--steps", "3", "--warmup", "1", "--json", str(out), *extra]) == 0
     return {r["row"]: r for r in json.loads(out.read_text())["rows"]}
 
 
@@ -74,7 +74,16 @@ def test_bench_compiled_blocks_with_the_fused_loss_train_like_eager(tmp_path):
     assert rows["ours_compile_fused_ce"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
 
 
-def test_bench_compiled_blocks_train_like_eager(tmp_path):
-    """training.compile (each block through torch.compile) on one process: the eager trajectory."""
-    rows = _bench(tmp_path, "ours,ours_compile")
+def test_bench_compiled_blocks_train_like_eager(tmp_path, capsys):
+    """training.compile (each block through torch.compile) on one process: the eager trajectory.
+    With --trace-dir each row's profiled step is broken down (the compiled row's blocks run as
+    compiled graphs, the eager row's never) and its chrome trace kept."""
+    rows = _bench(tmp_path, "ours,ours_compile", "--trace-dir", str(tmp_path / "traces"))
     assert rows["ours_compile"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
+    eager, compiled = rows["ours"]["breakdown"], rows["ours_compile"]["breakdown"]
+    assert compiled["by_kind"]["compiled"] > 0 and eager["by_kind"]["compiled"] == 0
+    for kind in ("matmul", "attention", "optimizer"):
+        assert eager["by_kind"][kind] > 0, kind
+    assert compiled["events"] < eager["events"]  # fused graphs run fewer ops
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["ours.json.gz", "ours_compile.json.gz"]
+    assert "Where the time of one step goes" in capsys.readouterr().out

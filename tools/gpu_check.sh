@@ -130,7 +130,9 @@ else
 fi
 
 # e. our training step against HF GPTNeoXForCausalLM eager and compiled, same weights and batches
-run_check throughput 240 "$PYTHON" bench/gpu_throughput.py --steps 10 --warmup 3 --json "$LOGS/throughput.json"
+# (--breakdown: one more, profiled step per row; the log's last table says where each row's time goes)
+run_check throughput 240 "$PYTHON" bench/gpu_throughput.py --steps 10 --warmup 3 --breakdown \
+    --json "$LOGS/throughput.json"
 table=$("$PYTHON" - "$LOGS/throughput.json" <<'PY' 2>/dev/null
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -138,8 +140,9 @@ parts = []
 for r in rows:
     mfu = "" if r["mfu"] is None else " MFU %.0f%%" % (100 * r["mfu"])
     ratio = "-" if r["vs_hf_compile"] is None else "%.3fx" % r["vs_hf_compile"]
-    parts.append("%s %.4f s %.0f TFLOPS%s %.1f GB, vs hf_compile %s"
-                 % (r["row"], r["s_per_step"], r["tflops"], mfu, r["peak_bytes"] / 1e9, ratio))
+    idle = "" if r.get("breakdown") is None else ", idle %.1f ms" % r["breakdown"]["idle_ms"]
+    parts.append("%s %.4f s %.0f TFLOPS%s %.1f GB, vs hf_compile %s%s"
+                 % (r["row"], r["s_per_step"], r["tflops"], mfu, r["peak_bytes"] / 1e9, ratio, idle))
 print("; ".join(parts))
 PY
 )

@@ -1,0 +1,187 @@
+"""Where one training step's time goes: the step run once under torch.profiler, the time of what it
+ran summed by kind of work (matmul, attention, optimizer, ...), beside the step's wall time.
+
+On a GPU the events counted are the device's kernels, memory copies and memsets: their sum per kind
+says what the device spent its time on, the union of their intervals how long it was busy, and the
+rest of the step's wall time is the device *idle* (waiting for the host to launch, or for a host
+sync). The host syncs inside the step (``cuda*Synchronize`` / ``hip*Synchronize`` and blocking
+copies, from the runtime's events) and the kernel launches are counted too. On a CPU the events are
+the aten ops, each counted by its *self* time (its duration less that of the ops it calls), so the
+categories add up to the ops' busy time and the idle is the Python between them.
+
+Kinds are told by name, the first match in ``CATEGORIES`` winning (so a flash-attention kernel
+built with cutlass is attention, not matmul); what matches none is ``other``, and the largest names
+are listed so that the next reader can see what it is. Kernel names of CUDA, ROCm, cuBLAS, cuDNN,
+flash-attention and Triton (torch.compile's kernels are ``triton_*``: their own kind, ``compiled``)
+and aten op names are both covered.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+STEP_MARK = "neox_topo.profiled_step"
+
+# (kind, substrings of a lower-cased kernel or op name), first match wins.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # torch.compile's kernels first: inductor names a fused kernel after the ops it holds, which may
+    # include "attention" or "gemm" for the copies around them.
+    ("compiled", ("triton_", "compiledfxgraph", "compiled region", "compiledfunction")),
+    ("attention", ("flash", "fmha", "sdpa", "scaled_dot_product", "attention", "attn", "bwd_kernel_d")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce", "cijk_", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::baddbmm")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm", "vector_norm", "clip_grad")),
+    ("layernorm", ("layer_norm", "layernorm", "gammabeta")),
+    ("loss", ("softmax", "nll_loss", "cross_entropy")),
+    ("embedding", ("embedding", "indexselect", "index_select")),
+    ("elementwise", ("elementwise", "memcpy", "memset", "copy", "gelu", "fill", "aten::cat", "catarray", "aten::add",
+                     "aten::mul", "aten::div", "aten::sub", "aten::neg", "aten::where", "aten::clamp")),
+)
+KINDS = tuple(kind for kind, _ in CATEGORIES) + ("other",)
+
+DEVICE_EVENTS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+HOST_EVENTS = frozenset({"cpu_op"})
+RUNTIME_EVENTS = frozenset({"cuda_runtime", "cuda_driver"})
+# Calls that make the host wait for the device: synchronizes, and the blocking (non-Async) copies.
+BLOCKING_CALLS = ("cudaMemcpy", "hipMemcpy", "cudaMemcpy2D", "hipMemcpy2D")
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in CATEGORIES:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "other"
+
+
+def is_host_sync(name: str) -> bool:
+    return name.endswith("Synchronize") or name in BLOCKING_CALLS
+
+
+@dataclass
+class StepBreakdown:
+    """One profiled step. Times in milliseconds; ``by_kind`` adds up to ``busy_ms`` on a device where
+    kernels do not overlap (one stream), and to it exactly on a host (self times of nested ops)."""
+    on_device: bool
+    step_ms: float
+    busy_ms: float
+    by_kind: dict = field(default_factory=dict)
+    events: int = 0
+    host_syncs: Optional[int] = None  # counted on a device only
+    top: list = field(default_factory=list)  # [kind, name, ms, calls] of the largest names
+
+    @property
+    def idle_ms(self) -> float:
+        return max(self.step_ms - self.busy_ms, 0.0)
+
+    def as_dict(self) -> dict:
+        return {"on_device": self.on_device, "step_ms": self.step_ms, "busy_ms": self.busy_ms,
+                "idle_ms": self.idle_ms, "by_kind": self.by_kind, "events": self.events,
+                "host_syncs": self.host_syncs, "top": self.top}
+
+
+def self_times(events: list[dict]) -> list[float]:
+    """Each complete event's duration less that of the events nested in it on the same thread
+    (pid, tid): an op's own time, its callees' excluded. Events are chrome-trace dicts (ts, dur in us)."""
+    own = [float(e["dur"]) for e in events]
+    by_thread = defaultdict(list)
+    for i, e in enumerate(events):
+        by_thread[(e.get("pid"), e.get("tid"))].append(i)
+    for indices in by_thread.values():
+        indices.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        open_ends: list[tuple[float, int]] = []  # (end, index) of the enclosing events, innermost last
+        for i in indices:
+            start = events[i]["ts"]
+            while open_ends and start >= open_ends[-1][0]:
+                open_ends.pop()
+            if open_ends:
+                own[open_ends[-1][1]] -= events[i]["dur"]
+            open_ends.append((start + events[i]["dur"], i))
+    return [max(t, 0.0) for t in own]
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepBreakdown:
+    """The step marked ``STEP_MARK`` in a chrome trace's events, broken down (see the module doc)."""
+    marks = [e for e in trace_events if e.get("ph") == "X" and e.get("name") == STEP_MARK]
+    if len(marks) != 1:
+        raise ValueError(f"the trace holds {len(marks)} '{STEP_MARK}' spans; expected one")
+    begin, end = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
+    timed_cats = DEVICE_EVENTS if on_device else HOST_EVENTS
+    timed = [e for e in trace_events
+             if e.get("ph") == "X" and e.get("cat") in timed_cats and begin <= e["ts"] < end]
+    own = self_times(timed)
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    by_name: dict[str, list] = {}
+    for e, us in zip(timed, own):
+        kind = kind_of(e["name"])
+        by_kind[kind] += us / 1e3
+        entry = by_name.setdefault(e["name"], [kind, e["name"], 0.0, 0])
+        entry[2] += us / 1e3
+        entry[3] += 1
+    busy = union_us([(e["ts"], min(e["ts"] + e["dur"], end)) for e in timed])
+    syncs = None
+    if on_device:
+        syncs = sum(1 for e in trace_events if e.get("ph") == "X" and e.get("cat") in RUNTIME_EVENTS
+                    and begin <= e["ts"] < end and is_host_sync(e["name"]))
+    largest = sorted(by_name.values(), key=lambda entry: -entry[2])[:top]
+    return StepBreakdown(on_device=on_device, step_ms=(end - begin) / 1e3, busy_ms=busy / 1e3, by_kind=by_kind,
+                         events=len(timed), host_syncs=syncs, top=[[k, n[:160], ms, c] for k, n, ms, c in largest])
+
+
+def read_trace(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        data = json.load(handle)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def profile_step(run: Callable[[], object], device: torch.device, trace_path: Optional[str] = None) -> StepBreakdown:
+    """Run ``run()`` (one whole step, ending in whatever host read the loop does) once under the
+    profiler and break it down; the chrome trace is kept at ``trace_path`` (``.json`` or ``.json.gz``)
+    when given. The device is synchronized before the step and inside the profile after it, so every
+    kernel the step queued is in the trace."""
+    on_device = device.type == "cuda"  # ROCm builds report their GPUs as "cuda" too
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    if on_device:
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        with record_function(STEP_MARK):
+            run()
+        if on_device:
+            torch.cuda.synchronize(device)
+    if trace_path is not None:
+        prof.export_chrome_trace(trace_path)
+        return breakdown(read_trace(trace_path), on_device)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "step.json")
+        prof.export_chrome_trace(path)
+        return breakdown(read_trace(path), on_device)
+
+
+def breakdown_table(rows: list[tuple[str, StepBreakdown]]) -> str:
+    """A markdown table, a row per profiled step: ms per kind, busy, idle, events and host syncs."""
+    head = ["row", "step ms", *KINDS, "busy ms", "idle ms", "events", "host syncs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, b in rows:
+        cells = [name, f"{b.step_ms:.1f}", *(f"{b.by_kind[k]:.1f}" for k in KINDS), f"{b.busy_ms:.1f}",
+                 f"{b.idle_ms:.1f}", str(b.events), "-" if b.host_syncs is None else str(b.host_syncs)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One device loan's measurements in one call, every result in OUT_DIR as at most 5 files (the
+# device tool brings back 8 at most, and nothing after a call it had to kill):
+#   1. tools/gpu_check.sh, checks a-f                -> summary.txt, throughput.json
+#   2. the INT4 kernel A/B: the Triton kernels before 145ef0a (stride-2 loads and stores) timed
+#      beside ours on the same device clock          -> kernels_ab.log
+#   3. the rows check e does not run, and the compiled rows again, each with its chrome trace
+#                                                    -> more_rows.json
+#   every log and trace                              -> logs.tgz
+# Usage: tools/gpu_loan.sh OUT_DIR
+#   GPU_LOAN_BUDGET_S  the whole run's budget in seconds (default 560; leave the call ~30 s more)
+#   GPU_LOAN_BASELINE  the kernels file of step 2 (default cache/kernels_before.py)
+#   PYTHON             the interpreter, as for gpu_check.sh
+# The device gets no git history, so step 2's file is made here and carried:
+#   mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
+# Without it, step 2 says so in kernels_ab.log and the rest runs.
+# Exit: gpu_check.sh's code (77: no GPU, nothing else run). docs/gpu.md, "After", has the call.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT_DIR=${1:?usage: tools/gpu_loan.sh OUT_DIR}
+mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd) || exit 1
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=.venv/bin/python
+    [[ -x $PYTHON ]] || PYTHON=python3
+fi
+export PYTHON PYTHONUNBUFFERED=1
+BUDGET_S=${GPU_LOAN_BUDGET_S:-560}
+BASELINE=${GPU_LOAN_BASELINE:-cache/kernels_before.py}
+START_S=$SECONDS
+WORK=$(mktemp -d)
+
+# On every exit what was made reaches OUT_DIR: the small results as files, all of it in one archive.
+# shellcheck disable=SC2329  # invoked by the EXIT trap
+finish() {
+    local name
+    for name in summary.txt throughput.json kernels_ab.log more_rows.json; do
+        [[ -f $WORK/$name ]] && cp "$WORK/$name" "$OUT_DIR/"
+    done
+    tar czf "$OUT_DIR/logs.tgz" -C "$WORK" .
+    rm -rf "$WORK"
+}
+trap finish EXIT
+
+seconds_left() { echo $((BUDGET_S - (SECONDS - START_S))); }
+
+# 1. The checks, leaving steps 2 and 3 about 200 s.
+GPU_CHECK_BUDGET_S=$((BUDGET_S - 200)) GPU_CHECK_KEEP=$WORK tools/gpu_check.sh
+rc=$?
+((rc == 77)) && exit 77
+
+# 2. The kernel A/B (each impl checked bit for bit against the reference before it is timed).
+cap=$(($(seconds_left) - 140))
+((cap > 60)) && cap=60
+if [[ ! -f $BASELINE ]]; then
+    echo "gpu_loan: kernel A/B not run: no $BASELINE (see the head of tools/gpu_loan.sh)" | tee "$WORK/kernels_ab.log"
+elif ((cap < 10)); then
+    echo "gpu_loan: kernel A/B not run: the ${BUDGET_S} s budget is spent" | tee "$WORK/kernels_ab.log"
+else
+    echo "== kernel A/B (timeout ${cap} s)"
+    timeout -k 5 "$cap" "$PYTHON" bench/quant_kernels.py --device cuda --sizes 16M --blocks 2048 \
+        --impls triton,baseline --repeat 3 --baseline-kernels "$BASELINE" 2>&1 | tee "$WORK/kernels_ab.log"
+fi
+
+# 3. More rows, traced: fused loss with compile, both recomputes, and the two compiled rows whose
+#    traces say where ours and HF's compiled steps differ.
+cap=$(($(seconds_left) - 15))
+if ((cap < 30)); then
+    echo "gpu_loan: more rows not run: the ${BUDGET_S} s budget is spent" | tee "$WORK/more_rows.log"
+else
+    echo "== more rows (timeout ${cap} s)"
+    timeout -k 5 "$cap" "$PYTHON" bench/gpu_throughput.py \
+        --rows ours_compile,hf_compile,ours_compile_fused_ce,ours_selective,ours_recompute \
+        --steps 10 --warmup 3 --trace-dir "$WORK/traces" --json "$WORK/more_rows.json" 2>&1 | tee "$WORK/more_rows.log"
+fi
+echo "gpu_loan: $((SECONDS - START_S)) s of a ${BUDGET_S} s budget; results in $OUT_DIR"
+exit "$rc"
