@@ -143,7 +143,10 @@ def run_row(name: str, step: Callable[[dict], torch.Tensor], data: list[dict], w
     row.peak_bytes = peak_memory(device)
     if profiled:  # one more step, after the timed ones and their peak
         trace = None if trace_dir is None else os.path.join(trace_dir, f"{name}.json.gz")
-        row.breakdown = profile_step(lambda: float(step(data[-1])), device, trace)
+        try:
+            row.breakdown = profile_step(lambda: float(step(data[-1])), device, trace)
+        except Exception as error:  # a diagnostic: the timed row stands without it  # noqa: BLE001
+            print(f"  {name}: no breakdown ({type(error).__name__}: {error})", flush=True)
     return row
 
 
@@ -290,7 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if profiled:
         print("\nWhere the time of one step goes (ms; a profiled step after the timed ones; "
               f"{'device kernels' if device.type == 'cuda' else 'aten self times'}):")
-        print(breakdown_table([(r.name, r.breakdown) for r in results]))
+        print(breakdown_table([(r.name, r.breakdown) for r in results if r.breakdown is not None]))
     return 0
 
 

@@ -69,6 +69,7 @@ def test_device_trace_by_hand():
     outside the step that must not count."""
     events = [
         _x("user_annotation", STEP_MARK, 100.0, 1000.0, tid=1),
+        _x("gpu_user_annotation", STEP_MARK, 140.0, 1000.0),  # the device's copy of the span: not the step
         _x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas", 150.0, 300.0),
         _x("kernel", "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", 450.0, 100.0),
         _x("kernel", "triton_poi_fused__to_copy_add_native_layer_norm_0", 500.0, 50.0, tid=8),  # overlaps
@@ -92,12 +93,12 @@ def test_device_trace_by_hand():
     # busy: [150, 550) joined by the overlapping kernel, [700, 710), [800, 1000) = 400 + 10 + 200 us
     assert result.busy_ms == pytest.approx(0.61) and result.idle_ms == pytest.approx(0.39)
     assert result.events == 5 and result.host_syncs == 2
-    assert result.top[0][:2] == ["matmul", events[1]["name"]]
+    assert result.top[0][:2] == ["matmul", events[2]["name"]]
 
 
 def test_breakdown_needs_the_step_mark():
     with pytest.raises(ValueError, match="expected one"):
-        breakdown([_x("kernel", "gemm", 0.0, 1.0)], on_device=True)
+        breakdown([_x("kernel", "gemm", 0.0, 1.0), _x("gpu_user_annotation", STEP_MARK, 0.0, 2.0)], on_device=True)
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -120,7 +120,9 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepBreakdown:
     """The step marked ``STEP_MARK`` in a chrome trace's events, broken down (see the module doc)."""
-    marks = [e for e in trace_events if e.get("ph") == "X" and e.get("name") == STEP_MARK]
+    # The host's span (on a GPU the device's timeline repeats it as a "gpu_user_annotation").
+    marks = [e for e in trace_events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == STEP_MARK]
     if len(marks) != 1:
         raise ValueError(f"the trace holds {len(marks)} '{STEP_MARK}' spans; expected one")
     begin, end = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
