@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dist_harness import run_ranks
 from megatron.logging.step_profile import STEP_MARK, breakdown, kind_of, profile_step, read_trace, self_times
 
 
@@ -96,6 +97,43 @@ def test_device_trace_by_hand():
     assert result.top[0][:2] == ["matmul", events[2]["name"]]
 
 
+def test_exposed_communication_by_hand():
+    """A collective on its own stream, half hidden behind compute: busy [0, 220) us, the compute's
+    union [0, 100) + [180, 220) = 140 us, so 80 us of communication are exposed; its kind holds all 150."""
+    events = [
+        _x("user_annotation", STEP_MARK, 0.0, 300.0, tid=1),
+        _x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 0.0, 100.0),
+        _x("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 50.0, 150.0,
+           tid=9),
+        _x("kernel", "void at::native::vectorized_layer_norm_kernel<float, float>", 180.0, 40.0),
+    ]
+    result = breakdown(events, on_device=True)
+    assert result.by_kind["communication"] == pytest.approx(0.15)
+    assert result.busy_ms == pytest.approx(0.22) and result.exposed_comm_ms == pytest.approx(0.08)
+
+
+def _gloo_step_worker(rank: int, world_size: int) -> dict:
+    """One step: a blocking all-reduce of 16 MB, then a matmul."""
+    torch.manual_seed(rank)
+    a, grads = torch.randn(384, 384), torch.randn(4 << 20)
+
+    def step() -> None:
+        torch.distributed.all_reduce(grads)
+        (a @ a).sum()
+    step()
+    return profile_step(step, torch.device("cpu")).as_dict()
+
+
+def test_gloo_collectives_are_communication_and_a_blocking_one_is_exposed(tmp_path):
+    """Two gloo ranks: the all-reduce's work, on gloo's threads (its copies included), is
+    communication; blocking, nothing else runs meanwhile, so nearly all of it is exposed."""
+    for result in run_ranks("test_step_profile:_gloo_step_worker", 2, tmp_path):
+        comm = result["by_kind"]["communication"]
+        assert comm > 0 and result["by_kind"]["matmul"] > 0
+        assert result["by_kind"]["elementwise"] < 0.05 * comm  # gloo's copies (ms of them) count as its own
+        assert 0.5 * comm < result["exposed_comm_ms"] <= result["busy_ms"]
+
+
 def test_breakdown_needs_the_step_mark():
     with pytest.raises(ValueError, match="expected one"):
         breakdown([_x("kernel", "gemm", 0.0, 1.0), _x("gpu_user_annotation", STEP_MARK, 0.0, 2.0)], on_device=True)
@@ -129,6 +167,10 @@ def test_breakdown_needs_the_step_mark():
      "elementwise"),
     ("Memcpy DtoD (Device -> Device)", "elementwise"),
     ("Memset (Device)", "elementwise"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("ncclKernel_ReduceScatter_RING_LL_Sum_float(ncclWorkElem)", "communication"),
+    ("gloo:all_to_all", "communication"),
+    ("c10d::_allgather_base_", "communication"),
     # ROCm (hipBLASLt / Tensile gemms, aotriton attention)
     ("Cijk_Alik_Bljk_BBS_BH_MT128x128x64_MI16x16x16x1_SN_1LDSB1_GRVW8", "matmul"),
     ("attn_fwd", "attention"),

@@ -7,7 +7,13 @@ rest of the step's wall time is the device *idle* (waiting for the host to launc
 sync). The host syncs inside the step (``cuda*Synchronize`` / ``hip*Synchronize`` and blocking
 copies, from the runtime's events) and the kernel launches are counted too. On a CPU the events are
 the aten ops, each counted by its *self* time (its duration less that of the ops it calls), so the
-categories add up to the ops' busy time and the idle is the Python between them.
+categories add up to the ops' busy time and the idle is the Python between them, and gloo's
+collectives (spans on gloo's threads).
+
+*Exposed communication* is the time in which a collective runs and nothing else does: the busy time
+less the union of every event that is not communication. A collective hidden behind compute (the
+engine's prefetched gathers, its overlapped reductions) costs nothing there; a blocking one costs
+its whole length.
 
 Kinds are told by name, the first match in ``CATEGORIES`` winning (so a flash-attention kernel
 built with cutlass is attention, not matmul); what matches none is ``other``, and the largest names
@@ -32,7 +38,10 @@ STEP_MARK = "neox_topo.profiled_step"
 
 # (kind, substrings of a lower-cased kernel or op name), first match wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # torch.compile's kernels first: inductor names a fused kernel after the ops it holds, which may
+    # Collectives: NCCL/RCCL kernels on a GPU; on a CPU, gloo's work (spans on its own threads,
+    # whatever runs inside them included) and the c10d ops that hand it over.
+    ("communication", ("nccl", "rccl", "gloo:", "c10d::", "record_param_comms")),
+    # torch.compile's kernels next: inductor names a fused kernel after the ops it holds, which may
     # include "attention" or "gemm" for the copies around them.
     ("compiled", ("triton_", "compiledfxgraph", "compiled region", "compiledfunction")),
     ("attention", ("flash", "fmha", "sdpa", "scaled_dot_product", "attention", "attn", "bwd_kernel_d")),
@@ -49,6 +58,8 @@ KINDS = tuple(kind for kind, _ in CATEGORIES) + ("other",)
 
 DEVICE_EVENTS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_EVENTS = frozenset({"cpu_op"})
+# gloo runs each collective on a thread of its own, marked by a span ("gloo:all_reduce", ...).
+HOST_COMM_SPAN_PREFIXES = ("gloo:",)
 RUNTIME_EVENTS = frozenset({"cuda_runtime", "cuda_driver"})
 # Calls that make the host wait for the device: synchronizes, and the blocking (non-Async) copies.
 BLOCKING_CALLS = ("cudaMemcpy", "hipMemcpy", "cudaMemcpy2D", "hipMemcpy2D")
@@ -75,6 +86,7 @@ class StepBreakdown:
     busy_ms: float
     by_kind: dict = field(default_factory=dict)
     events: int = 0
+    exposed_comm_ms: float = 0.0  # communication alone: busy, less the union of everything else
     host_syncs: Optional[int] = None  # counted on a device only
     top: list = field(default_factory=list)  # [kind, name, ms, calls] of the largest names
 
@@ -85,13 +97,22 @@ class StepBreakdown:
     def as_dict(self) -> dict:
         return {"on_device": self.on_device, "step_ms": self.step_ms, "busy_ms": self.busy_ms,
                 "idle_ms": self.idle_ms, "by_kind": self.by_kind, "events": self.events,
-                "host_syncs": self.host_syncs, "top": self.top}
+                "exposed_comm_ms": self.exposed_comm_ms, "host_syncs": self.host_syncs, "top": self.top}
 
 
 def self_times(events: list[dict]) -> list[float]:
     """Each complete event's duration less that of the events nested in it on the same thread
     (pid, tid): an op's own time, its callees' excluded. Events are chrome-trace dicts (ts, dur in us)."""
     own = [float(e["dur"]) for e in events]
+    for i, parent in enumerate(enclosing(events)):
+        if parent is not None:
+            own[parent] -= events[i]["dur"]
+    return [max(t, 0.0) for t in own]
+
+
+def enclosing(events: list[dict]) -> list[Optional[int]]:
+    """The index of the innermost event that encloses each event on its thread (pid, tid), or None."""
+    parents: list[Optional[int]] = [None] * len(events)
     by_thread = defaultdict(list)
     for i, e in enumerate(events):
         by_thread[(e.get("pid"), e.get("tid"))].append(i)
@@ -103,9 +124,9 @@ def self_times(events: list[dict]) -> list[float]:
             while open_ends and start >= open_ends[-1][0]:
                 open_ends.pop()
             if open_ends:
-                own[open_ends[-1][1]] -= events[i]["dur"]
+                parents[i] = open_ends[-1][1]
             open_ends.append((start + events[i]["dur"], i))
-    return [max(t, 0.0) for t in own]
+    return parents
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -127,25 +148,40 @@ def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepB
         raise ValueError(f"the trace holds {len(marks)} '{STEP_MARK}' spans; expected one")
     begin, end = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
     timed_cats = DEVICE_EVENTS if on_device else HOST_EVENTS
-    timed = [e for e in trace_events
-             if e.get("ph") == "X" and e.get("cat") in timed_cats and begin <= e["ts"] < end]
-    own = self_times(timed)
+
+    def timed(e: dict) -> bool:
+        if e.get("ph") != "X" or not begin <= e["ts"] < end:
+            return False
+        return e.get("cat") in timed_cats or (
+            not on_device and e.get("cat") == "user_annotation" and e["name"].startswith(HOST_COMM_SPAN_PREFIXES))
+    events = [e for e in trace_events if timed(e)]
+    own = self_times(events)
+    parents = enclosing(events)
+    kinds = [kind_of(e["name"]) for e in events]
+    # What runs inside a collective's span is the collective's (gloo's copies): parents first.
+    for i in sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"])):
+        if parents[i] is not None and kinds[parents[i]] == "communication":
+            kinds[i] = "communication"
     by_kind = dict.fromkeys(KINDS, 0.0)
-    by_name: dict[str, list] = {}
-    for e, us in zip(timed, own):
-        kind = kind_of(e["name"])
+    by_name: dict[tuple[str, str], list] = {}
+    for e, us, kind in zip(events, own, kinds):
         by_kind[kind] += us / 1e3
-        entry = by_name.setdefault(e["name"], [kind, e["name"], 0.0, 0])
+        entry = by_name.setdefault((kind, e["name"]), [kind, e["name"], 0.0, 0])
         entry[2] += us / 1e3
         entry[3] += 1
-    busy = union_us([(e["ts"], min(e["ts"] + e["dur"], end)) for e in timed])
+
+    def span(e: dict) -> tuple[float, float]:
+        return e["ts"], min(e["ts"] + e["dur"], end)
+    busy = union_us([span(e) for e in events])
+    exposed = busy - union_us([span(e) for e, kind in zip(events, kinds) if kind != "communication"])
     syncs = None
     if on_device:
         syncs = sum(1 for e in trace_events if e.get("ph") == "X" and e.get("cat") in RUNTIME_EVENTS
                     and begin <= e["ts"] < end and is_host_sync(e["name"]))
     largest = sorted(by_name.values(), key=lambda entry: -entry[2])[:top]
     return StepBreakdown(on_device=on_device, step_ms=(end - begin) / 1e3, busy_ms=busy / 1e3, by_kind=by_kind,
-                         events=len(timed), host_syncs=syncs, top=[[k, n[:160], ms, c] for k, n, ms, c in largest])
+                         events=len(events), exposed_comm_ms=exposed / 1e3, host_syncs=syncs,
+                         top=[[k, n[:160], ms, c] for k, n, ms, c in largest])
 
 
 def read_trace(path: str) -> list[dict]:
@@ -179,11 +215,12 @@ def profile_step(run: Callable[[], object], device: torch.device, trace_path: Op
 
 
 def breakdown_table(rows: list[tuple[str, StepBreakdown]]) -> str:
-    """A markdown table, a row per profiled step: ms per kind, busy, idle, events and host syncs."""
-    head = ["row", "step ms", *KINDS, "busy ms", "idle ms", "events", "host syncs"]
+    """A markdown table, a row per profiled step: ms per kind, busy, idle, exposed communication,
+    events and host syncs."""
+    head = ["row", "step ms", *KINDS, "busy ms", "idle ms", "exposed comm ms", "events", "host syncs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, b in rows:
         cells = [name, f"{b.step_ms:.1f}", *(f"{b.by_kind[k]:.1f}" for k in KINDS), f"{b.busy_ms:.1f}",
-                 f"{b.idle_ms:.1f}", str(b.events), "-" if b.host_syncs is None else str(b.host_syncs)]
+                 f"{b.idle_ms:.1f}", f"{b.exposed_comm_ms:.1f}", str(b.events), "-" if b.host_syncs is None else str(b.host_syncs)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
