@@ -22,6 +22,7 @@ from megatron.engine import Engine
 from megatron.logging import MetricsWriter, ProgressLine, format_bytes
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
+from megatron.logging.step_profile import ProfiledSteps
 from megatron.logging.throughput import Throughput, device_peak_flops
 from megatron.model.sizes import model_flops_per_token
 from megatron.numerics import NumericsWatch
@@ -97,6 +98,9 @@ class Trainer:
         self.numerics = NumericsWatch(tcfg.max_consecutive_skipped_steps, tcfg.loss_spike_factor)
         self.save_deferred = False  # a checkpoint was due at a skipped step
         self.memory = memory or PhasePeaks(runtime.device)  # measured peak memory per phase
+        log = cfg.logging
+        self.profiler = (ProfiledSteps(log.log_dir, log.profile_step_start, log.profile_step_stop, runtime.rank,
+                                       runtime.device) if log.profile else None)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size)
         self.peak_flops = device_peak_flops(runtime.device, cfg.precision.precision, cfg.logging.peak_tflops_per_gpu)
         self.last_valid_loss: float | None = None
@@ -148,17 +152,26 @@ class Trainer:
         log_interval = self.cfg.logging.log_interval
         while self.iteration < tcfg.train_iters:
             start = time.perf_counter()
+            profiled = self.profiler is not None and self.profiler.covers(self.iteration + 1)
             with self.memory.phase("step"):
-                metrics = self.train_step()
-            speed = Throughput(self.batching.global_batch * seq, time.perf_counter() - start, self.flops_per_token,
+                if profiled:  # timed by the profile's own span: its trace's export is not the step's
+                    metrics, report = self.profiler.run(self.iteration + 1, self.train_step)
+                else:
+                    metrics = self.train_step()
+            seconds = report.step_ms / 1e3 if profiled else time.perf_counter() - start
+            speed = Throughput(self.batching.global_batch * seq, seconds, self.flops_per_token,
                                self.runtime.world_size, self.peak_flops)
             metrics.update(speed.metrics())
+            if profiled:
+                metrics.update(self.profiler.metrics(report))
+                log_print(self.profiler.line(self.iteration, report), self.runtime.rank)
             metrics["runtime/samples_consumed"] = self.consumed_samples
             peak_memory = self.memory.peak_bytes("step")
             if peak_memory is not None:
                 metrics["runtime/peak_memory_bytes"] = peak_memory
             metrics.update(self._comm_metrics())
-            if self.iteration % log_interval == 0 or self.iteration == tcfg.train_iters or self.iteration == 1:
+            if (self.iteration % log_interval == 0 or self.iteration == tcfg.train_iters or self.iteration == 1
+                    or profiled):
                 self.metrics.log(self.iteration, metrics)
                 if self.runtime.is_main:
                     progress.print(self.iteration, metrics["train/lm_loss"], metrics["train/learning_rate"],

@@ -73,6 +73,12 @@ CONFIG_MISTAKES = [
     pytest.param(None, ["--set", "memory_report_allocator=true"],
                  "deepy: error: memory_report_allocator: adds the allocator's peaks to the memory report, which is "
                  "off (in --set); set memory_report: true as well", id="allocator-without-report"),
+    pytest.param(None, ["--set", "profile=true", "--set", "profile_step_start=5", "--set", "profile_step_stop=5"],
+                 "deepy: error: profile_step_stop: 5 is not after profile_step_start (5) (in --set); the steps "
+                 "profiled are start .. stop - 1", id="profile-stops-before-it-starts"),
+    pytest.param(None, ["--set", "profile=true", "--set", "memory_report=true", "--set", "memory_report_allocator=true"],
+                 "deepy: error: profile: needs torch.profiler, which memory_report_allocator holds for the whole run "
+                 "(in --set); turn one of them off", id="profile-with-allocator-trace"),
     pytest.param(None, ["--set", "recompute_granularity=selective"],
                  "deepy: error: recompute_granularity: 'selective' says what a checkpointed block recomputes, and "
                  "checkpoint_activations is off (in --set); set checkpoint_activations: true",

@@ -133,7 +133,7 @@ _NOOP: dict[str, tuple[str, ...]] = {
     "extra diagnostics and profilers are not implemented (loss, lr, grad norm and per-tier bytes are always logged)": (
         "log_grad_pct_zeros", "log_param_norm", "log_grad_norm", "log_optimizer_states", "log_gradient_noise_scale",
         "gradient_noise_scale_n_batches", "gradient_noise_scale_cpu_offload", "memory_profiling",
-        "memory_profiling_path", "profile", "profile_step_start", "profile_step_stop", "steps_per_print",
+        "memory_profiling_path", "steps_per_print",
         "wall_clock_breakdown", "comms_logger", "char_level_ppl"),
     "wandb needs only use_wandb, wandb_project and wandb_group here": (
         "wandb_team", "wandb_host", "wandb_init_all_ranks"),

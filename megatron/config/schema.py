@@ -149,6 +149,9 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = doc(None, "Write tensorboard events here when set.")
     peak_tflops_per_gpu: Optional[float] = doc(None, "The device's peak dense TFLOP/s in the run's precision, the denominator of runtime/mfu; None = from the GPU's name (megatron/logging/throughput.py: H100/H200, A100, MI250X GCD, MI300X...); MFU is not logged for a device the table lacks (CPU included).", gt=0.0)
     memory_report: bool = doc(False, "Every rank writes its measured peak memory per phase (build, load, step, save: peak RSS, and the device's peak allocation on a GPU) to <log_dir>/memory/rank_<r>.json (bench/memory.py reads them).")
+    profile: bool = doc(False, "Profile the training steps profile_step_start .. profile_step_stop - 1 (torch.profiler): every rank writes each one's chrome trace to <log_dir>/profile/step_<n>_rank_<r>.json.gz (Perfetto, chrome://tracing) and rank 0 logs where the step's time went: milliseconds per kind of work (device kernels on a GPU, aten ops on a CPU; communication, matmul, attention, optimizer, ...), busy, idle, exposed communication and host syncs, to metrics.jsonl/tensorboard/wandb (`profile/...`), the log and <log_dir>/profile/step_<n>.json with every rank's breakdown (megatron/logging/step_profile.py). GPT-NeoX's key (there for nsys).")
+    profile_step_start: int = doc(10, "First profiled step (with profile).", ge=1)
+    profile_step_stop: int = doc(12, "Profiling stops before this step (with profile).", ge=2)
     memory_report_allocator: bool = doc(False, "With memory_report on a CPU run: also each phase's peak of the bytes torch's CPU allocator holds (`allocator_peak`, the counterpart of the GPU's peak allocation; from torch.profiler's memory events, kept for the whole run: for runs of a few steps, as bench/memory.py --allocator). A GPU run records its own allocator's figure and ignores this.")
 
 

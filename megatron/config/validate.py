@@ -358,6 +358,13 @@ def _logging(cfg: NeoXConfig, ctx: _Context, env) -> None:
     if cfg.logging.memory_report_allocator and not cfg.logging.memory_report:
         raise ctx.error("logging.memory_report_allocator", "adds the allocator's peaks to the memory report, "
                         "which is off", "set memory_report: true as well")
+    log = cfg.logging
+    if log.profile and log.profile_step_stop <= log.profile_step_start:
+        raise ctx.error("logging.profile_step_stop", f"{log.profile_step_stop} is not after profile_step_start "
+                        f"({log.profile_step_start})", "the steps profiled are start .. stop - 1")
+    if log.profile and log.memory_report_allocator:
+        raise ctx.error("logging.profile", "needs torch.profiler, which memory_report_allocator holds for the "
+                        "whole run", "turn one of them off")
 
 
 def launch_environment_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optional[str]:

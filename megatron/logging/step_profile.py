@@ -224,3 +224,51 @@ def breakdown_table(rows: list[tuple[str, StepBreakdown]]) -> str:
                  f"{b.idle_ms:.1f}", f"{b.exposed_comm_ms:.1f}", str(b.events), "-" if b.host_syncs is None else str(b.host_syncs)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+class ProfiledSteps:
+    """GPT-NeoX's ``profile`` keys in the training loop: which steps are profiled, and what each one
+    leaves behind. Every rank writes its own trace and breakdown (no collective, so the byte ledger
+    and the step's syncs are the same as unprofiled); rank 0's breakdown goes to the metrics."""
+
+    def __init__(self, log_dir: str, start: int, stop: int, rank: int, device: torch.device):
+        self.folder = os.path.join(log_dir, "profile")
+        self.start, self.stop, self.rank, self.device = start, stop, rank, device
+
+    def covers(self, iteration: int) -> bool:
+        return self.start <= iteration < self.stop
+
+    def trace_path(self, iteration: int, rank: int | str) -> str:
+        rank_text = rank if isinstance(rank, str) else f"{rank:05d}"
+        return os.path.join(self.folder, f"step_{iteration:07d}_rank_{rank_text}.json.gz")
+
+    def run(self, iteration: int, step: Callable[[], dict]) -> tuple[dict, StepBreakdown]:
+        """``step()``'s metrics and its breakdown; the trace and the breakdown as JSON are on disk."""
+        os.makedirs(self.folder, exist_ok=True)
+        out: dict = {}
+        trace = self.trace_path(iteration, self.rank)
+        result = profile_step(lambda: out.update(step()), self.device, trace)
+        with open(trace[:-len(".json.gz")] + ".breakdown.json", "w") as handle:
+            json.dump({"iteration": iteration, "rank": self.rank, **result.as_dict()}, handle, indent=1)
+        return out, result
+
+    @staticmethod
+    def metrics(result: StepBreakdown) -> dict:
+        """``profile/...`` metrics: ms per kind, busy, idle, exposed communication, events, host syncs."""
+        out = {f"profile/{kind}_ms": ms for kind, ms in result.by_kind.items()}
+        out.update({"profile/step_ms": result.step_ms, "profile/busy_ms": result.busy_ms,
+                    "profile/idle_ms": result.idle_ms, "profile/exposed_comm_ms": result.exposed_comm_ms,
+                    "profile/events": result.events})
+        if result.host_syncs is not None:
+            out["profile/host_syncs"] = result.host_syncs
+        return out
+
+    def line(self, iteration: int, result: StepBreakdown) -> str:
+        """One log line: the step's time, busy and idle, then the kinds that took time, largest first."""
+        kinds = sorted(((ms, kind) for kind, ms in result.by_kind.items() if ms >= 0.05), reverse=True)
+        where = "device" if result.on_device else "host"
+        syncs = "" if result.host_syncs is None else f", {result.host_syncs} host syncs"
+        return (f"profile step {iteration} (rank {self.rank}, {where}): {result.step_ms:.1f} ms, busy "
+                f"{result.busy_ms:.1f}, idle {result.idle_ms:.1f}, exposed communication "
+                f"{result.exposed_comm_ms:.1f}{syncs} | " + ", ".join(f"{kind} {ms:.1f}" for ms, kind in kinds)
+                + f" | traces {self.trace_path(iteration, '*')}")
