@@ -171,6 +171,9 @@ def test_breakdown_needs_the_step_mark():
     ("ncclKernel_ReduceScatter_RING_LL_Sum_float(ncclWorkElem)", "communication"),
     ("gloo:all_to_all", "communication"),
     ("c10d::_allgather_base_", "communication"),
+    ("_quantize8_kernel", "quantization"),
+    ("_reduce4_kernel", "quantization"),
+    ("neox_quant::reduce_requantize", "quantization"),
     # ROCm (hipBLASLt / Tensile gemms, aotriton attention)
     ("Cijk_Alik_Bljk_BBS_BH_MT128x128x64_MI16x16x16x1_SN_1LDSB1_GRVW8", "matmul"),
     ("attn_fwd", "attention"),

@@ -6,9 +6,9 @@ says what the device spent its time on, the union of their intervals how long it
 rest of the step's wall time is the device *idle* (waiting for the host to launch, or for a host
 sync). The host syncs inside the step (``cuda*Synchronize`` / ``hip*Synchronize`` and blocking
 copies, from the runtime's events) and the kernel launches are counted too. On a CPU the events are
-the aten ops, each counted by its *self* time (its duration less that of the ops it calls), so the
-categories add up to the ops' busy time and the idle is the Python between them, and gloo's
-collectives (spans on gloo's threads).
+the aten ops and gloo's collectives (spans on threads of gloo's own), each counted by its *self*
+time (its duration less that of the events it encloses), so the kinds add up to the busy time where
+one thread works at a time, and the idle is the Python between the ops.
 
 *Exposed communication* is the time in which a collective runs and nothing else does: the busy time
 less the union of every event that is not communication. A collective hidden behind compute (the
@@ -41,6 +41,8 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Collectives: NCCL/RCCL kernels on a GPU; on a CPU, gloo's work (spans on its own threads,
     # whatever runs inside them included) and the c10d ops that hand it over.
     ("communication", ("nccl", "rccl", "gloo:", "c10d::", "record_param_comms")),
+    # The engine's INT8/INT4 block codecs: Triton kernels on a GPU, the C++ ops on a CPU.
+    ("quantization", ("neox_quant::", "quantize", "_reduce8_kernel", "_reduce4_kernel", "_hadamard_kernel")),
     # torch.compile's kernels next: inductor names a fused kernel after the ops it holds, which may
     # include "attention" or "gemm" for the copies around them.
     ("compiled", ("triton_", "compiledfxgraph", "compiled region", "compiledfunction")),
@@ -79,8 +81,8 @@ def is_host_sync(name: str) -> bool:
 
 @dataclass
 class StepBreakdown:
-    """One profiled step. Times in milliseconds; ``by_kind`` adds up to ``busy_ms`` on a device where
-    kernels do not overlap (one stream), and to it exactly on a host (self times of nested ops)."""
+    """One profiled step. Times in milliseconds; ``by_kind`` adds up to ``busy_ms`` where nothing runs
+    in parallel (one stream on a device, one thread on a host), and to more where things do."""
     on_device: bool
     step_ms: float
     busy_ms: float
