@@ -277,3 +277,22 @@ def test_engine_from_config_one_process():
     cfg.zero.zero_quantized_weights = True
     quantized = engine_from_config(cfg, build_model(), lm_loss, world_size=1)
     assert (quantized.quant.weight_gather_bits, quantized.quant.refresh_bits) == (8, 8)
+
+
+@pytest.mark.parametrize("precision, fused, reads", [
+    ("fp32", True, 0), ("bfloat16", True, 0),  # the fused kernel skips a non-finite step on its own
+    ("fp16", True, 1),                           # the dynamic loss scale reads the norm
+])  # (the for-loop AdamW reads each parameter's step count, which stays on the host on a GPU too)
+def test_one_process_host_reads(precision, fused, reads):
+    """What would stall a GPU's queue in one process's step, counted (the ops that return a value to
+    the host): none in forward and backward; in the optimizer step only where a decision needs it."""
+    from megatron.engine import SingleProcessEngine
+    from megatron.logging.step_profile import HostReads
+    opt = OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, gradient_clipping=1.0, fused=fused)
+    engine = SingleProcessEngine(build_model(), lm_loss, opt, precision, 1, torch.device("cpu"))
+    for step in range(2):
+        with HostReads() as backward_reads:
+            engine.forward_backward(make_batch(step, 0, 0))
+        with HostReads() as step_reads:
+            engine.optimizer_step(1e-3)
+        assert (backward_reads.count, step_reads.count) == (0, reads), step

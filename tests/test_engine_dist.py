@@ -18,6 +18,7 @@ from megatron.checkpointing.param_slices import assemble
 from megatron.engine import fused_lm_loss, lm_loss
 from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
+from megatron.logging.step_profile import HostReads
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
 
 STEPS, ACCUM = 3, 2
@@ -63,16 +64,22 @@ def _watch_cross_all_reduces(engine: ZeroTopoEngine, comm: Communicator) -> list
 
 def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: int, steps: int, accum: int,
            repeat_batch: bool = False, lr: float = LR) -> dict:
-    """The trainer's step order: micro-batches, optimizer step, loss all-reduce, ledger sync, reset."""
-    losses, norms, ledgers = [], [], []
+    """The trainer's step order: micro-batches, optimizer step, loss all-reduce, ledger sync, reset.
+    Also the host reads (syncs on a GPU) of the engine's forward-backward and optimizer step."""
+    losses, norms, ledgers, reads = [], [], [], []
     for step in range(steps):
         comm.ledger.reset()
-        local = [engine.forward_backward(make_batch(0 if repeat_batch else step, m, rank)).item() for m in range(accum)]
-        out = engine.optimizer_step(lr)
+        with HostReads() as backward_reads:
+            micro_losses = [engine.forward_backward(make_batch(0 if repeat_batch else step, m, rank))
+                            for m in range(accum)]
+        local = [loss.item() for loss in micro_losses]
+        with HostReads() as step_reads:
+            out = engine.optimizer_step(lr)
+        reads.append((backward_reads.count, step_reads.count))
         losses.append(engine.all_reduce_sum([sum(local)])[0] / (world_size * accum))
         norms.append(out["grad_norm"])
         ledgers.append(comm.sync_ledger())
-    return {"losses": losses, "norms": norms, "ledgers": ledgers}
+    return {"losses": losses, "norms": norms, "ledgers": ledgers, "host_reads": reads}
 
 
 def _runs_worker(rank: int, world_size: int, layout: list[int], runs: list[dict], steps: int, accum: int) -> dict:
@@ -166,6 +173,15 @@ def eight_ranks(tmp_path_factory):
     results = run_ranks("test_engine_dist:_runs_worker", 8, tmp_path_factory.mktemp("eight"),
                         layout=[2, 2, 2], runs=RUNS_8, steps=STEPS, accum=ACCUM)
     return results, reference_run(8, STEPS, ACCUM)
+
+
+def test_no_host_sync_but_the_norm(eight_ranks):
+    """What would stall a GPU's queue, counted on every rank of every preset: no host read in forward
+    and backward (hooks, gathers, reductions, recompute), one per optimizer step (the global norm)."""
+    results, _ = eight_ranks
+    for rank, result in enumerate(results):
+        for run in RUNS_8:
+            assert result[run["name"]]["host_reads"] == [(0, 1)] * run.get("steps", STEPS), (rank, run["name"])
 
 
 @pytest.mark.parametrize("name", EXACT_8)

@@ -29,6 +29,7 @@ from megatron.engine import lm_loss
 from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
+from megatron.logging.step_profile import HostReads
 from megatron.engine.quantized import (QuantizedCollectives, merge_messages, message_bytes, pack_messages, qgz_swizzle, unpack_messages)
 from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
@@ -103,23 +104,29 @@ def test_messages_are_codes_then_scales(bits):
     assert torch.equal(one_scales, scales[2:])
 
 
-def test_non_finite_gradient_is_sent_as_zeros_and_flagged():
-    """fp16 overflow must not stop one rank inside a collective: the hop sends zeros for the bad
-    values and flags the step, which the engine then skips (infinite norm on every rank)."""
+def test_non_finite_values_travel_as_their_scale_and_nothing_waits_for_the_device():
+    """fp16 overflow must not stop one rank inside a collective, nor may the hot path read the device
+    to look for it: a NaN/inf block is encoded with its NaN/inf scale, decodes non-finite (the
+    receiving ranks' sums, hence the global norm on every rank, which skips the step), its neighbours
+    stay exact, the residual records the loss (reset by the skip), and no call reads a device value
+    back (counted: no aten op that returns one to the host)."""
     groups = ProcessGroups(Topology.single_node(1), ShardLayout.from_topology(Topology.single_node(1), preset="stage0"), 0)
     qc = QuantizedCollectives(Communicator(groups), QuantSpec(grad_reduce_bits=4, block_size=4, impl="reference"),
                               torch.device("cpu"))
-    x = torch.tensor([7.0, -7.0, float("inf"), 1.0, 7.0, 0.0, 0.0, -7.0])  # scale 1: exact codes
+    x = torch.tensor([7.0, -7.0, float("inf"), 1.0, 7.0, 0.0, 0.0, -7.0])  # scale 1 in block 1: exact codes
     residual = torch.zeros(8)
-    codes, scales = qc.encode(x, 4, residual)
-    assert qc.overflow and torch.isfinite(residual).all()
+    with HostReads() as reads:
+        codes, scales = qc.encode(x, 4, residual)
+        message = qc.message(x, 8)
+    assert reads.count == 0
     decoded = qc.quantizer.dequantize(codes, scales, 4, 4)
-    assert decoded.tolist() == [7.0, -7.0, 0.0, 1.0, 7.0, 0.0, 0.0, -7.0]
-    qc.overflow = False
-    qc.encode(x[4:].clone(), 4)
-    assert not qc.overflow
-    with pytest.raises(Exception, match="NaN or inf"):
-        qc.message(x, 8)  # weights are never sent silently zeroed
+    assert not torch.isfinite(decoded[:4]).any() and decoded[4:].tolist() == [7.0, 0.0, 0.0, -7.0]
+    assert not torch.isfinite(residual[:4]).all() and torch.equal(residual[4:], torch.zeros(4))
+    weights = torch.empty(8)
+    qc.dequantize_into(weights, message, 1, 8)
+    assert not torch.isfinite(weights[:4]).any() and torch.isfinite(weights[4:]).all()
+    with pytest.raises(Exception, match="NaN or inf"):  # the quantizer's own default still refuses
+        qc.quantizer.quantize(x, 8, 4)
 
 
 def test_qgz_swizzle_puts_node_chunks_of_each_local_rank_together():
@@ -154,16 +161,21 @@ def _engine(rank: int, preset: str, quant: QuantSpec | None, precision: str = "f
 
 
 def _train(engine: ZeroTopoEngine, rank: int, steps: int) -> dict:
-    """The trainer's step order over a pool of POOL batches per rank; per-step mean loss, norm, ledger."""
-    losses, norms, ledgers = [], [], []
+    """The trainer's step order over a pool of POOL batches per rank; per-step mean loss, norm, ledger,
+    and the host reads (syncs on a GPU) of forward-backward and of the optimizer step."""
+    losses, norms, ledgers, reads = [], [], [], []
     comm = engine.comm
     for step in range(steps):
         comm.ledger.reset()
-        local = engine.forward_backward(make_batch(step % POOL, 0, rank)).item()
-        norms.append(engine.optimizer_step(LR)["grad_norm"])
+        with HostReads() as backward_reads:
+            loss = engine.forward_backward(make_batch(step % POOL, 0, rank))
+        local = loss.item()
+        with HostReads() as step_reads:
+            norms.append(engine.optimizer_step(LR)["grad_norm"])
+        reads.append((backward_reads.count, step_reads.count))
         losses.append(engine.all_reduce_sum([local])[0] / WORLD)
         ledgers.append(comm.sync_ledger())
-    return {"losses": losses, "norms": norms, "ledgers": ledgers}
+    return {"losses": losses, "norms": norms, "ledgers": ledgers, "host_reads": reads}
 
 
 def _error_feedback_experiment(rank: int, engine: ZeroTopoEngine) -> dict:
@@ -275,6 +287,14 @@ def eight(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- the tests
+
+def test_quantized_collectives_read_nothing_back(eight):
+    """INT8 gathers, INT4 reductions, qgZ, the INT8 refresh, error feedback, bf16: no host read in
+    forward and backward and one per optimizer step (the global norm), on every rank."""
+    for rank, result in enumerate(eight):
+        for name in ("plain", "quant", "zeropp", "bf16"):
+            assert result[name]["host_reads"] == [(0, 1)] * len(result[name]["losses"]), (rank, name)
+
 
 def test_quantized_training_ends_within_two_percent(eight):
     """The loss training ends at: the mean over the last pass over the pool (POOL steps)."""

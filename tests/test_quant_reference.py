@@ -243,3 +243,25 @@ def test_selfcheck_catches_a_wrong_implementation():
     problems = check_case(_RoundHalfAway(), ties, 8, torch.device("cpu"))
     assert any(p.startswith("quantize codes: differs") for p in problems)
     assert check_case(ReferenceQuantizer(), ties, 8, torch.device("cpu")) == []
+
+
+class _SanitisingReduce(ReferenceQuantizer):
+    """A plausible wrong implementation: the fused reduction zeroes a NaN/inf sum before encoding,
+    so an overflow would vanish in a hop instead of reaching the global norm."""
+
+    def _reduce_requantize(self, codes_k, scales_k, k, bits, block, residual):
+        codes, scales = super()._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
+        if torch.isfinite(scales).all():
+            return codes, scales
+        total = torch.nan_to_num(self._dequantize_sum(codes_k, scales_k, k, bits, block), nan=0.0, posinf=0.0,
+                                 neginf=0.0)
+        return self._quantize(total, bits, block)
+
+
+def test_selfcheck_catches_a_reduction_that_hides_an_overflow():
+    """The engine calls the kernels unchecked (no host sync) and relies on a NaN/inf block's scale to
+    carry it on; the self-check runs that path through quantize and through the fused reduction."""
+    case = next(c for c in CASES if c.name == "random_fp32")
+    problems = check_case(_SanitisingReduce(), case, 4, torch.device("cpu"))
+    assert problems == ["reduce_requantize(check_finite=False) with nan: its block decodes to finite values"]
+    assert check_case(ReferenceQuantizer(), case, 4, torch.device("cpu")) == []

@@ -49,11 +49,13 @@ def test_self_times_equal_the_profilers_own(tmp_path):
 
 def test_a_step_on_the_host_adds_up(tmp_path):
     """profile_step on a CPU: the kinds add up to the busy time, which is within the step's wall time;
-    the fused AdamW, the matmuls, the LayerNorm and the loss each land in their kind; the trace is kept."""
+    the fused AdamW, the matmuls, the LayerNorm and the loss each land in their kind; the one host
+    read Python asks for is counted; the trace is kept."""
     trace = tmp_path / "step.json.gz"
     result = profile_step(_tiny_step(), torch.device("cpu"), str(trace))
     assert sum(result.by_kind.values()) == pytest.approx(result.busy_ms, abs=1e-3)  # trace times: 1 ns steps
-    assert 0 < result.busy_ms <= result.step_ms and result.host_syncs is None
+    assert 0 < result.busy_ms <= result.step_ms
+    assert result.host_syncs == 1  # float(loss), not the step counts fused AdamW's CPU kernel reads itself
     for kind in ("matmul", "optimizer", "layernorm", "loss", "elementwise"):
         assert result.by_kind[kind] > 0, kind
     assert result.by_kind["attention"] == result.by_kind["compiled"] == 0.0

@@ -7,6 +7,10 @@
   dequantizes every chunk) and the gradient reduction (a chain of all-to-all hops, each followed by
   the fused dequantize -> fp32 sum -> requantize kernel; the last hop ends in an fp32 sum), with
   optional error feedback per hop. A reduction is never a quantized ring.
+- Nothing here waits for the device: the quantizer's finiteness check (a host sync per call) is off.
+  A NaN/inf block keeps its NaN/inf scale, so it arrives NaN/inf: a non-finite gradient reaches the
+  global norm on every rank (the engine skips the step and resets the residuals); a non-finite
+  weight makes the loss NaN.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron.ops.quant import QuantizationError, codes_numel, get_quantizer
+from megatron.ops.quant import codes_numel, get_quantizer
 from megatron.config.quant_spec import QuantSpec
 from megatron.topology.groups import RankGroup
 from megatron.engine.comm import Communicator, Pending
@@ -68,9 +72,6 @@ class QuantizedCollectives:
         self.comm, self.settings, self.block = comm, settings, settings.block_size
         self.rotate_gradients = settings.gradient_rotation == "hadamard"  # gradient reductions only
         self.quantizer = get_quantizer(settings.impl, device)
-        # A reduction input held NaN/inf (fp16 overflow): it was sent as zeros so every rank keeps
-        # going; the engine turns this into an infinite norm and skips the step.
-        self.overflow = False
 
     # -- encoding ---------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, bits: int, residual: Optional[torch.Tensor] = None,
@@ -82,14 +83,7 @@ class QuantizedCollectives:
         the powers of two a dynamic loss scale takes), and a changed scale needs no rescaling.
         """
         x_in = x.float() + residual * residual_scale if residual is not None else x
-        try:
-            codes, scales = self.quantizer.quantize(x_in, bits, self.block)
-        except QuantizationError:
-            if bool(torch.isfinite(x_in).all()):
-                raise
-            self.overflow = True
-            x_in = torch.nan_to_num(x_in.float(), nan=0.0, posinf=0.0, neginf=0.0)
-            codes, scales = self.quantizer.quantize(x_in, bits, self.block)
+        codes, scales = self.quantizer.quantize(x_in, bits, self.block, check_finite=False)
         if residual is not None:
             residual.copy_(x_in - self.quantizer.dequantize(codes, scales, bits, self.block))
             if residual_scale != 1.0:
@@ -98,12 +92,12 @@ class QuantizedCollectives:
 
     def roundtrip(self, x: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
         """dequantize(quantize(x)) in ``dtype``: what a member receives for ``x`` (x of whole blocks)."""
-        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block)
+        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block, check_finite=False)
         return self.quantizer.dequantize(codes, scales, bits, self.block, dtype=dtype)
 
     def message(self, x: torch.Tensor, bits: int) -> torch.Tensor:
-        """One chunk of weights as its uint8 message (NaN/inf weights raise: they are never sent)."""
-        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block)
+        """One chunk of weights as its uint8 message (a NaN/inf block travels as its NaN/inf scale)."""
+        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block, check_finite=False)
         return pack_messages(codes, scales, 1)
 
     # -- gathers ----------------------------------------------------------------------------------
@@ -177,7 +171,7 @@ class QuantizedCollectives:
                 if scaled:  # the kernel works in the message's (scaled) units
                     residual.mul_(residual_scale)
                 codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, widths[i], self.block,
-                                                                 residual=residual)
+                                                                 residual=residual, check_finite=False)
                 if scaled:
                     residual.div_(residual_scale)
         total = self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, widths[-1], self.block)

@@ -200,8 +200,8 @@ class ZeroTopoEngine:
         scale_used = self.loss_scale.scale
         summands = self.groups.world_size * self.accumulation_steps * self.backward_scale  # N x A, scaled
         grads = [self.collectives.step_gradient(u, summands, self.backward_scale) for u in self.units]
-        overflow = self.qcomm is not None and self.qcomm.overflow  # a quantized hop met NaN/inf
-        norm = global_grad_norm(grads, self.groups, self.comm, not_finite=overflow)
+        # The step's one host read: the norm (a NaN/inf a quantized hop met arrives in it as NaN/inf).
+        norm = global_grad_norm(grads, self.groups, self.comm)
         finite = math.isfinite(norm)
         if finite:
             clip_(grads, norm, self.gradient_clipping)
@@ -213,8 +213,6 @@ class ZeroTopoEngine:
         else:
             self._reset_residuals()
         self.loss_scale.update(finite)
-        if self.qcomm is not None:
-            self.qcomm.overflow = False
         for unit in self.units:
             unit.grad_accum.zero_()
             self.schedule.end_step(unit)

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 STEP_MARK = "neox_topo.profiled_step"
 
@@ -65,6 +66,14 @@ HOST_COMM_SPAN_PREFIXES = ("gloo:",)
 RUNTIME_EVENTS = frozenset({"cuda_runtime", "cuda_driver"})
 # Calls that make the host wait for the device: synchronizes, and the blocking (non-Async) copies.
 BLOCKING_CALLS = ("cudaMemcpy", "hipMemcpy", "cudaMemcpy2D", "hipMemcpy2D")
+# aten ops that hand a tensor's value to the host (``.item()``, ``float(t)``, ``bool(t)``,
+# ``torch.equal``): on a GPU each waits for the device. Counted on a CPU too, where they cost
+# nothing, so a CPU run shows the syncs a GPU run would have. Not seen there: ``.tolist()`` and
+# ``.cpu()``, which dispatch nothing for a tensor already on the host.
+HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::equal")
+# What calls them from Python; a read inside any other aten op is that kernel's own business on a
+# CPU (torch's fused AdamW reads its step counts there, on a GPU it keeps them on the device).
+READ_WRAPPERS = frozenset({"aten::item", "aten::is_nonzero", *HOST_READ_OPS})
 
 
 def kind_of(name: str) -> str:
@@ -89,7 +98,7 @@ class StepBreakdown:
     by_kind: dict = field(default_factory=dict)
     events: int = 0
     exposed_comm_ms: float = 0.0  # communication alone: busy, less the union of everything else
-    host_syncs: Optional[int] = None  # counted on a device only
+    host_syncs: int = 0  # the device's sync calls; on a host, the ops that would be (HOST_READ_OPS)
     top: list = field(default_factory=list)  # [kind, name, ms, calls] of the largest names
 
     @property
@@ -176,14 +185,26 @@ def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepB
         return e["ts"], min(e["ts"] + e["dur"], end)
     busy = union_us([span(e) for e in events])
     exposed = busy - union_us([span(e) for e, kind in zip(events, kinds) if kind != "communication"])
-    syncs = None
     if on_device:
         syncs = sum(1 for e in trace_events if e.get("ph") == "X" and e.get("cat") in RUNTIME_EVENTS
                     and begin <= e["ts"] < end and is_host_sync(e["name"]))
+    else:
+        syncs = sum(1 for i, e in enumerate(events) if e["name"] in HOST_READ_OPS and _read_by_python(i, events, parents))
     largest = sorted(by_name.values(), key=lambda entry: -entry[2])[:top]
     return StepBreakdown(on_device=on_device, step_ms=(end - begin) / 1e3, busy_ms=busy / 1e3, by_kind=by_kind,
                          events=len(events), exposed_comm_ms=exposed / 1e3, host_syncs=syncs,
                          top=[[k, n[:160], ms, c] for k, n, ms, c in largest])
+
+
+def _read_by_python(i: int, events: list[dict], parents: list[Optional[int]]) -> bool:
+    """Whether host read ``i`` was asked for by Python code (under no aten op but its wrappers)."""
+    parent = parents[i]
+    while parent is not None:
+        name = events[parent]["name"]
+        if name.startswith("aten::") and name not in READ_WRAPPERS:
+            return False
+        parent = parents[parent]
+    return True
 
 
 def read_trace(path: str) -> list[dict]:
@@ -223,7 +244,7 @@ def breakdown_table(rows: list[tuple[str, StepBreakdown]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, b in rows:
         cells = [name, f"{b.step_ms:.1f}", *(f"{b.by_kind[k]:.1f}" for k in KINDS), f"{b.busy_ms:.1f}",
-                 f"{b.idle_ms:.1f}", f"{b.exposed_comm_ms:.1f}", str(b.events), "-" if b.host_syncs is None else str(b.host_syncs)]
+                 f"{b.idle_ms:.1f}", f"{b.exposed_comm_ms:.1f}", str(b.events), str(b.host_syncs)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -260,17 +281,33 @@ class ProfiledSteps:
         out = {f"profile/{kind}_ms": ms for kind, ms in result.by_kind.items()}
         out.update({"profile/step_ms": result.step_ms, "profile/busy_ms": result.busy_ms,
                     "profile/idle_ms": result.idle_ms, "profile/exposed_comm_ms": result.exposed_comm_ms,
-                    "profile/events": result.events})
-        if result.host_syncs is not None:
-            out["profile/host_syncs"] = result.host_syncs
+                    "profile/events": result.events, "profile/host_syncs": result.host_syncs})
         return out
 
     def line(self, iteration: int, result: StepBreakdown) -> str:
         """One log line: the step's time, busy and idle, then the kinds that took time, largest first."""
         kinds = sorted(((ms, kind) for kind, ms in result.by_kind.items() if ms >= 0.05), reverse=True)
         where = "device" if result.on_device else "host"
-        syncs = "" if result.host_syncs is None else f", {result.host_syncs} host syncs"
+        syncs = f", {result.host_syncs} host {'syncs' if result.on_device else 'reads'}"
         return (f"profile step {iteration} (rank {self.rank}, {where}): {result.step_ms:.1f} ms, busy "
                 f"{result.busy_ms:.1f}, idle {result.idle_ms:.1f}, exposed communication "
                 f"{result.exposed_comm_ms:.1f}{syncs} | " + ", ".join(f"{kind} {ms:.1f}" for ms, kind in kinds)
                 + f" | traces {self.trace_path(iteration, '*')}")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts, while active, the ops that hand a tensor's value to the host (``HOST_READ_OPS``): the
+    host syncs the same code would make on a GPU. ``with HostReads() as reads: ...; reads.count``.
+    A CPU run cannot tell a tensor that would live on the device from one that stays on the host
+    in a GPU run too (the for-loop AdamW's step counts): both are counted."""
+
+    OPS = frozenset(getattr(torch.ops.aten, name.split("::")[1]).default for name in HOST_READ_OPS)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -10,7 +10,9 @@ Format (identical in every implementation, checked bit for bit against `referenc
 - INT8 codes are int8, one per element; INT4 codes are 4-bit two's complement packed two per uint8
   byte, the even-index element in the low nibble (so `block` must be even for INT4);
 - dequantized value = code * scale in fp32, then cast to the requested dtype;
-- a block whose amax is NaN or inf is refused with `QuantizationError`, never encoded.
+- a block whose amax is NaN or inf is refused with `QuantizationError`, never encoded; or, for a
+  caller that asks not to be stopped (``check_finite=False``: no host synchronisation), encoded with
+  its NaN/inf scale, which marks it: it decodes to NaN/inf, whatever its codes.
 
 Rotation (``rotate``, for ``zero_quantized_gradients_rotation: hadamard``): each block of b
 elements (b a power of two) is multiplied by the orthonormal Walsh-Hadamard matrix H_b / sqrt(b),
@@ -157,15 +159,20 @@ class Quantizer:
     name = "abstract"
 
     # -- public API ---------------------------------------------------------------------------
-    def quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
-        """Encode x (fp32/bf16/fp16, n a multiple of block) -> (codes, fp32 scales of n / block)."""
+    def quantize(self, x: Tensor, bits: int, block: int, check_finite: bool = True) -> tuple[Tensor, Tensor]:
+        """Encode x (fp32/bf16/fp16, n a multiple of block) -> (codes, fp32 scales of n / block).
+
+        ``check_finite``: refuse a NaN/inf block (one host sync on a GPU). Off, the block keeps its
+        NaN/inf scale (module docstring) and nothing waits for the device: the engine's hot path,
+        where a non-finite gradient reaches the global norm through that scale and skips the step."""
         check_block(bits, block)
         _check_flat(x, "x")
         if x.dtype not in INPUT_DTYPES:
             raise QuantizationError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
         _check_numel(x.numel(), block, "quantize")
         codes, scales = self._quantize(x, bits, block)
-        check_finite_scales(scales, block, "quantize")
+        if check_finite:
+            check_finite_scales(scales, block, "quantize")
         return codes, scales
 
     def dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
@@ -181,7 +188,8 @@ class Quantizer:
         return out if numel is None or numel == total else out[:numel]
 
     def reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                          block: int, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                          block: int, residual: Optional[Tensor] = None,
+                          check_finite: bool = True) -> tuple[Tensor, Tensor]:
         """Fused: dequantize k concatenated chunks, sum them in fp32 (chunk 0 first), quantize.
 
         This is the local step of an all-to-all reduction: codes_k/scales_k are what arrived from
@@ -202,7 +210,8 @@ class Quantizer:
                     f"residual must be float32 with {per_chunk} elements on {codes_k.device}; got "
                     f"{residual.dtype} with {residual.numel()} on {residual.device}")
         codes, scales = self._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
-        check_finite_scales(scales, block, "reduce_requantize")
+        if check_finite:  # as quantize's
+            check_finite_scales(scales, block, "reduce_requantize")
         return codes, scales
 
     def dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,

@@ -8,7 +8,9 @@ subprocess) and on real hardware:
 Every case is small (at most a few dozen blocks) so that the Triton interpreter stays fast. For
 each case and bit width it compares, byte for byte: quantize's codes and scales, dequantize to
 fp32/bf16/fp16, and the fused reduce_requantize and dequantize_sum over k chunks; and it checks
-that NaN, +inf and -inf are refused.
+that NaN, +inf and -inf are refused, or, unchecked (``check_finite=False``, the engine's hot path),
+carried: the bad block decodes to non-finite values only, the other blocks exactly as the
+reference's, through quantize and through reduce_requantize.
 """
 from __future__ import annotations
 
@@ -129,6 +131,34 @@ def _refuses_non_finite(quantizer: Quantizer, x: Tensor, bits: int, block: int) 
     return None
 
 
+def _carries_non_finite(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], bits: int, block: int
+                        ) -> Optional[str]:
+    """Unchecked, a NaN/inf block must come out non-finite (its scale marks it) and no other block
+    may change: in quantize, and in reduce_requantize when one chunk brings the bad block."""
+    reference = ReferenceQuantizer()
+    spot = min(block + 1, x.numel() - 1)
+    bad_block = slice(spot // block * block, (spot // block + 1) * block)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[spot] = bad
+        codes, scales = quantizer.quantize(y, bits, block, check_finite=False)
+        decoded = reference.dequantize(codes, scales, bits, block)
+        want = reference.dequantize(*reference.quantize(y, bits, block, check_finite=False), bits, block)
+        if torch.isfinite(decoded[bad_block]).any():
+            return f"quantize(check_finite=False) of {bad}: its block decodes to finite values"
+        decoded[bad_block] = want[bad_block] = 0.0
+        mismatch = _bitwise_mismatch(f"quantize(check_finite=False) of {bad}, other blocks", decoded, want)
+        if mismatch:
+            return mismatch
+        chunks = [reference.quantize(t, bits, block, check_finite=False) for t in [y.to(k_inputs[0].dtype),
+                                                                                 *k_inputs[1:]]]
+        codes_k, scales_k = torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks])
+        got = quantizer.reduce_requantize(codes_k, scales_k, len(chunks), bits, block, check_finite=False)
+        if torch.isfinite(reference.dequantize(*got, bits, block)[bad_block]).any():
+            return f"reduce_requantize(check_finite=False) with {bad}: its block decodes to finite values"
+    return None
+
+
 def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device) -> list[str]:
     """All mismatches of `quantizer` against the reference on one case (empty: bit-exact)."""
     reference = ReferenceQuantizer()
@@ -173,6 +203,7 @@ def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device
         "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
         reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
     problems.append(_refuses_non_finite(quantizer, x, bits, block))
+    problems.append(_carries_non_finite(quantizer, x, k_inputs, bits, block))
     if block & (block - 1) == 0:  # the Hadamard rotation of gradient blocks (power-of-two blocks only)
         xf = x.to(torch.float32)
         problems.append(_bitwise_mismatch("rotate", quantizer.rotate(xf, block), reference.rotate(xf, block)))
