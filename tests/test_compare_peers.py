@@ -66,6 +66,27 @@ def test_a_row_from_rank_files():
     assert row["launch_iface_bytes"] == 5000
 
 
+def test_the_profiled_step_of_every_rank():
+    """--breakdown: each rank's profiled step (ms) -> seconds, mean over ranks and largest; compute is
+    the busy time less the exposed communication. Worked out by hand: compute 600, 500, 600, 600 ms."""
+    ranks = two_by_two_ranks()
+    for rank, (step, busy, exposed) in zip(ranks, [(1000, 900, 300), (1200, 1000, 500), (800, 700, 100),
+                                                     (1000, 900, 300)]):
+        rank["breakdown"] = {"step_ms": step, "busy_ms": busy, "exposed_comm_ms": exposed}
+    row = report.summarize_ranks(ranks, None, 0, steps=3, warmup=1, world_size=4)
+    assert row["profiled"] == {"step_s": {"mean": pytest.approx(1.0), "max": 1.2},
+                               "compute_s": {"mean": pytest.approx(0.575), "max": 0.6},
+                               "exposed_comm_s": {"mean": pytest.approx(0.3), "max": 0.5}}
+    assert report.summarize_ranks(two_by_two_ranks(), None, 0, steps=3, warmup=1, world_size=4)["profiled"] is None
+    res = results()
+    res["rows"][6]["profiled"] = row["profiled"]
+    assert "| 2x2 | 1 | ours zero_topo | on | 1.000 (1.200) | 0.575 (0.600) | 0.300 (0.500) | 30% |" in \
+        report.markdown(res)
+    args = compare_peers.parse_args(["--breakdown"])
+    command = compare_peers.launch_command(args, compare_peers.BY_KEY["ours_zero_topo"], "2x2", 1, "on", REPO)
+    assert "--breakdown" in command[-1]  # the ranks' command line
+
+
 def test_a_peer_without_a_ledger_has_no_ledger_columns():
     row = report.summarize_ranks(two_by_two_ranks(ledger=False), None, 0, steps=3, warmup=1, world_size=4)
     assert row["ledger_bytes_per_step"] is None and row["iface_over_ledger"] is None

@@ -197,10 +197,16 @@ def rank_main(args: argparse.Namespace) -> int:
         window = counter_delta(counters, read_interface())
         ledger_after = ledger_inter_node(trainer)
         ledger_window = None if ledger is None else {p: ledger_after[p] - ledger[p] for p in ledger}
+        breakdown = None
+        if args.breakdown:  # one more step, after every window was read: where its time went
+            from megatron.logging.step_profile import profile_step
+            barrier()
+            breakdown = profile_step(lambda: trainer.step(args.warmup + args.steps), torch.device("cpu")).as_dict()
+            breakdown.pop("top")
         payload = {"ok": True, "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
                    "step_times_s": warm_times + times, "losses": warm_losses + losses, "grad_norms": norms,
                    "interface_window": window, "interface_bookkeeping": bookkeeping,
-                   "ledger_inter_node_window": ledger_window, "info": trainer.info(),
+                   "ledger_inter_node_window": ledger_window, "info": trainer.info(), "breakdown": breakdown,
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
         trainer.close()
     except BaseException as err:  # noqa: BLE001 - what a rank raises goes into the table
@@ -229,7 +235,7 @@ def launch_command(args: argparse.Namespace, config: Config, layout: str, accumu
              "--layouts", layout, "--accumulation", str(accumulation),
              *(["--overlap", overlap] if overlap != "default" else []),
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
-             "--workdir", str(workdir)]
+             *(["--breakdown"] if args.breakdown else []), "--workdir", str(workdir)]
     return [sys.executable, str(TOOL), "--nodes", str(tiers[0]), "--ranks-per-node", str(per_node),
             "--rate", args.rate, "--report", str(workdir / "report.json"), "--timeout-s", str(args.launch_timeout),
             "--prefix", "nxcmp", "--command", shlex.join(inner)]
@@ -350,6 +356,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"results JSON (default {DEFAULT_OUT.relative_to(CHECKOUT)})")
     p.add_argument("--png", default=str(DEFAULT_PNG), help="bar chart of step time / DS ZeRO-3's ('' for none)")
     p.add_argument("--markdown", action="store_true", help="print the markdown table (and the goals) at the end")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile one more step on every rank after the timed ones: its compute and its exposed "
+                        "communication (the time only collectives ran; megatron/logging/step_profile.py)")
     p.add_argument("--from-json", metavar="PATH", help="run nothing: table and chart from an earlier results JSON")
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take (default 600)")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)

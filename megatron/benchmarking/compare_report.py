@@ -79,10 +79,23 @@ def summarize_ranks(ranks: list[dict], tool: Optional[dict], exit_code: int, ste
     else:
         row["ledger_phases_per_step"], row["ledger_bytes_per_step"] = None, None
     row["iface_over_ledger"] = ratio(row["iface_bytes_per_step"], row["ledger_bytes_per_step"])
+    row["profiled"] = profiled_summary([r.get("breakdown") for r in by_rank])
     # The time the busiest node link needs for one step's bytes: near the step time means link-bound.
     rate = row["rate_bits_per_s"]
     row["link_s_per_step"] = max(per_node) * 8 / rate if nodes and rate else None
     return row
+
+
+def profiled_summary(breakdowns: list[Optional[dict]]) -> Optional[dict]:
+    """The profiled step of every rank (--breakdown), in seconds: the step's wall time, the busy time
+    outside communication (compute, the host's and gloo's copies included) and the exposed
+    communication, each as the mean over ranks and its largest; None when no rank profiled."""
+    if not breakdowns or any(b is None for b in breakdowns):
+        return None
+    figures = {"step_s": [b["step_ms"] / 1e3 for b in breakdowns],
+               "compute_s": [(b["busy_ms"] - b["exposed_comm_ms"]) / 1e3 for b in breakdowns],
+               "exposed_comm_s": [b["exposed_comm_ms"] / 1e3 for b in breakdowns]}
+    return {name: {"mean": statistics.fmean(values), "max": max(values)} for name, values in figures.items()}
 
 
 def ratio(a, b) -> Optional[float]:
@@ -162,6 +175,18 @@ def markdown(results: dict) -> str:
                   "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(
             [r for r in rows if (r["layout"], r["accumulation"]) == (layout, accumulation)])]
+    profiled = [r for r in rows if r.get("ok") and r.get("profiled")]
+    if profiled:
+        lines += ["", "One more step per rank under the profiler (--breakdown), s: mean over ranks (largest)", "",
+                  "| layout | A | configuration | overlap | step | compute | exposed communication | exposed share |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            p = r["profiled"]
+            overlap = r.get("overlap") if r.get("overlap") not in (None, "default") else "-"
+            cells = [r["layout"], str(r["accumulation"]), r["label"], overlap]
+            cells += [f"{p[k]['mean']:.3f} ({p[k]['max']:.3f})" for k in ("step_s", "compute_s", "exposed_comm_s")]
+            cells.append(fmt(ratio(100 * p["exposed_comm_s"]["mean"], p["step_s"]["mean"]), ".0f") + "%")
+            lines.append("| " + " | ".join(cells) + " |")
     verdicts = goals(rows)
     if verdicts:
         lines += ["", f"Goals (accumulation {GOAL_ACCUMULATION} on {GOAL_LAYOUT}):", ""]
