@@ -114,6 +114,27 @@ def test_exposed_communication_by_hand():
     assert result.busy_ms == pytest.approx(0.22) and result.exposed_comm_ms == pytest.approx(0.08)
 
 
+def test_a_wait_inside_a_hook_is_not_compute():
+    """A host trace by hand: a gradient hook runs inside the autograd engine's AccumulateGrad wrapper
+    for 100 us, of which 10 us are an add and the rest waits for an all-reduce that gloo runs on its
+    own thread from 5 to 100 us. The wrapper's own time is not an op's: busy 95 us (the all-reduce's
+    span), compute 10, exposed 85, idle 25 of the 120 us step."""
+    events = [
+        _x("user_annotation", STEP_MARK, 0.0, 120.0, tid=1),
+        _x("cpu_op", "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 0.0, 100.0, tid=1),
+        _x("cpu_op", "torch::autograd::AccumulateGrad", 0.0, 100.0, tid=1),
+        _x("cpu_op", "aten::add_", 10.0, 10.0, tid=1),
+        _x("user_annotation", "gloo:all_reduce", 5.0, 95.0, tid=2),
+        _x("cpu_op", "aten::copy_", 30.0, 5.0, tid=2),  # gloo's own copy: communication
+        _x("user_annotation", "Optimizer.step#AdamW.step", 100.0, 10.0, tid=1),  # not an op: idle
+    ]
+    result = breakdown(events, on_device=False)
+    assert result.by_kind["elementwise"] == pytest.approx(0.010) and result.by_kind["other"] == 0.0
+    assert result.by_kind["communication"] == pytest.approx(0.095)
+    assert result.busy_ms == pytest.approx(0.095) and result.exposed_comm_ms == pytest.approx(0.085)
+    assert result.idle_ms == pytest.approx(0.025) and result.events == 3
+
+
 def _gloo_step_worker(rank: int, world_size: int) -> dict:
     """One step: a blocking all-reduce of 16 MB, then a matmul."""
     torch.manual_seed(rank)

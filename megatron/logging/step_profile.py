@@ -8,7 +8,9 @@ sync). The host syncs inside the step (``cuda*Synchronize`` / ``hip*Synchronize`
 copies, from the runtime's events) and the kernel launches are counted too. On a CPU the events are
 the aten ops and gloo's collectives (spans on threads of gloo's own), each counted by its *self*
 time (its duration less that of the events it encloses), so the kinds add up to the busy time where
-one thread works at a time, and the idle is the Python between the ops.
+one thread works at a time, and the idle is the Python between the ops, hooks included (the
+autograd engine's wrappers, in which hooks run, are left out: a wait for a collective inside a
+hook is not compute).
 
 *Exposed communication* is the time in which a collective runs and nothing else does: the busy time
 less the union of every event that is not communication. A collective hidden behind compute (the
@@ -63,6 +65,11 @@ DEVICE_EVENTS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_EVENTS = frozenset({"cpu_op"})
 # gloo runs each collective on a thread of its own, marked by a span ("gloo:all_reduce", ...).
 HOST_COMM_SPAN_PREFIXES = ("gloo:",)
+# The autograd engine's wrappers around each node: their own time is the Python hooks run there
+# (a sharded engine's gathers and reductions, and its waits for them), not an op's work. Left out
+# on a host, as a GPU trace leaves out the host, so a wait inside a hook is idle or exposed
+# communication, not compute; the ops they call still count.
+HOST_WRAPPER_PREFIXES = ("autograd::engine::", "torch::autograd::")
 RUNTIME_EVENTS = frozenset({"cuda_runtime", "cuda_driver"})
 # Calls that make the host wait for the device: synchronizes, and the blocking (non-Async) copies.
 BLOCKING_CALLS = ("cudaMemcpy", "hipMemcpy", "cudaMemcpy2D", "hipMemcpy2D")
@@ -158,13 +165,14 @@ def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepB
     if len(marks) != 1:
         raise ValueError(f"the trace holds {len(marks)} '{STEP_MARK}' spans; expected one")
     begin, end = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
-    timed_cats = DEVICE_EVENTS if on_device else HOST_EVENTS
-
     def timed(e: dict) -> bool:
         if e.get("ph") != "X" or not begin <= e["ts"] < end:
             return False
-        return e.get("cat") in timed_cats or (
-            not on_device and e.get("cat") == "user_annotation" and e["name"].startswith(HOST_COMM_SPAN_PREFIXES))
+        if on_device:
+            return e.get("cat") in DEVICE_EVENTS
+        if e.get("cat") == "user_annotation":
+            return e["name"].startswith(HOST_COMM_SPAN_PREFIXES)
+        return e.get("cat") in HOST_EVENTS and not e["name"].startswith(HOST_WRAPPER_PREFIXES)
     events = [e for e in trace_events if timed(e)]
     own = self_times(events)
     parents = enclosing(events)
