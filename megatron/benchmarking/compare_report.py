@@ -87,9 +87,9 @@ def summarize_ranks(ranks: list[dict], tool: Optional[dict], exit_code: int, ste
 
 
 def profiled_summary(breakdowns: list[Optional[dict]]) -> Optional[dict]:
-    """The profiled step of every rank (--breakdown), in seconds: the step's wall time, the busy time
-    outside communication (compute, the host's and gloo's copies included) and the exposed
-    communication, each as the mean over ranks and its largest; None when no rank profiled."""
+    """The profiled step of every rank (--breakdown), in seconds: the step's wall time, the compute
+    (busy time less exposed communication: every op that is not a collective's) and the exposed
+    communication, each as the mean over ranks and its largest; None unless every rank profiled."""
     if not breakdowns or any(b is None for b in breakdowns):
         return None
     figures = {"step_s": [b["step_ms"] / 1e3 for b in breakdowns],

@@ -121,8 +121,12 @@ class StepBreakdown:
 def self_times(events: list[dict]) -> list[float]:
     """Each complete event's duration less that of the events nested in it on the same thread
     (pid, tid): an op's own time, its callees' excluded. Events are chrome-trace dicts (ts, dur in us)."""
+    return _own_times(events, enclosing(events))
+
+
+def _own_times(events: list[dict], parents: list[Optional[int]]) -> list[float]:
     own = [float(e["dur"]) for e in events]
-    for i, parent in enumerate(enclosing(events)):
+    for i, parent in enumerate(parents):
         if parent is not None:
             own[parent] -= events[i]["dur"]
     return [max(t, 0.0) for t in own]
@@ -165,6 +169,7 @@ def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepB
     if len(marks) != 1:
         raise ValueError(f"the trace holds {len(marks)} '{STEP_MARK}' spans; expected one")
     begin, end = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
+
     def timed(e: dict) -> bool:
         if e.get("ph") != "X" or not begin <= e["ts"] < end:
             return False
@@ -174,8 +179,8 @@ def breakdown(trace_events: list[dict], on_device: bool, top: int = 12) -> StepB
             return e["name"].startswith(HOST_COMM_SPAN_PREFIXES)
         return e.get("cat") in HOST_EVENTS and not e["name"].startswith(HOST_WRAPPER_PREFIXES)
     events = [e for e in trace_events if timed(e)]
-    own = self_times(events)
     parents = enclosing(events)
+    own = _own_times(events, parents)
     kinds = [kind_of(e["name"]) for e in events]
     # What runs inside a collective's span is the collective's (gloo's copies): parents first.
     for i in sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"])):
@@ -236,11 +241,8 @@ def profile_step(run: Callable[[], object], device: torch.device, trace_path: Op
             run()
         if on_device:
             torch.cuda.synchronize(device)
-    if trace_path is not None:
-        prof.export_chrome_trace(trace_path)
-        return breakdown(read_trace(trace_path), on_device)
     with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "step.json")
+        path = trace_path or os.path.join(scratch, "step.json")
         prof.export_chrome_trace(path)
         return breakdown(read_trace(path), on_device)
 
