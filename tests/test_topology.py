@@ -174,3 +174,20 @@ def test_process_groups_rank_lists_without_processes():
     assert groups.weight.handle is None
     hsdp = ProcessGroups(Topology.simulated([2, 2, 2]), ShardLayout.from_topology(Topology.simulated([2, 2, 2]), ShardFactors(4, 4, 4)), 6, create=False)
     assert hsdp.replica.ranks == (2, 6) and hsdp.cross.size == 1 and hsdp.stride.size == 1
+
+
+def test_tiers_among_equals_every_pair_in_linear_time():
+    """``tiers_among`` (O(k), used for every group at 384 ranks) against the tiers of every pair."""
+    import itertools
+    import random
+    rng = random.Random(3)
+    for topo in (Topology.simulated([2, 2, 2]), Topology.simulated([3, 4]), Topology.preset("frontier", 4),
+                 Topology.simulated([1, 4, 2]), Topology.simulated([4, 1, 2])):
+        for _ in range(200):
+            ranks = sorted(rng.sample(range(topo.world_size), rng.randint(2, topo.world_size)))
+            pairs = {topo.tier_between(a, b) for a, b in itertools.combinations(ranks, 2)}
+            assert topo.tiers_among(ranks) == pairs, (topo.name, ranks)
+    frontier = Topology.preset("frontier", 48)
+    assert frontier.tiers_among(range(384)) == {"intra_gpu", "intra_node", "inter_node"}
+    assert frontier.tiers_among(range(5, 384, 8)) == {"inter_node"}  # one rank per node: one tier
+    assert frontier.tiers_among([0, 1]) == {"intra_gpu"} and frontier.tiers_among([0, 2, 4, 6]) == {"intra_node"}

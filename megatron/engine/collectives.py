@@ -52,7 +52,7 @@ class UnitCollectives:
             hops = [(group, unit.residuals.get(name)) for name, group in named]
             widths = [self.schedule.hop_bits(name) for name, _ in named]
         else:  # a hop whose group spans nodes sends the boundary dtype (fp32 with fp32_allreduce)
-            hops = [(group, self.boundary_dtype if self._spans_nodes(group) else self.dtype)
+            hops = [(group, self.boundary_dtype if self.comm.spans_nodes(group) else self.dtype)
                     for _name, group in self.schedule.gradient_hops()]
         rows = math.prod(group.size for group, _ in hops)
         quantum = self.quant.block_size if bits else 1
@@ -64,9 +64,6 @@ class UnitCollectives:
                 chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce",
                                      [dtype for _, dtype in hops])
             window.submit(chain, len(hops), lambda out, a=a, b=b: unit.grad_accum[a:b].add_(out))
-
-    def _spans_nodes(self, group: RankGroup) -> bool:
-        return len({self.groups.topology.node_of(r) for r in group.ranks}) > 1
 
     def step_gradient(self, unit: FlatUnit, summands: float, residual_scale: float) -> torch.Tensor:
         """The fp32 gradient of the mean loss on this rank's 1/os slice: the accumulator summed over

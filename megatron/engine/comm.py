@@ -19,6 +19,7 @@ cross nodes; it completes before ``start_reduce_scatter`` returns. GPU tensors u
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -43,7 +44,7 @@ class Communicator:
         self.rank = groups.rank
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = torch.device(device)  # where small control buffers live (cuda under NCCL)
-        self._one_tier_groups: dict[tuple[int, ...], bool] = {}
+        self._wirings: dict[tuple[int, ...], _Wiring] = {}
 
     # -- charging -----------------------------------------------------------------------------------
     def charge(self, op: str, nbytes: int, group: RankGroup, phase: str) -> dict[str, int]:
@@ -53,25 +54,44 @@ class Communicator:
             return {}
         if nbytes % k and op != "broadcast":
             raise CommError(f"{op} of {nbytes} bytes over {k} ranks: the buffer must be a multiple of {k}")
-        me = group.index(self.rank)
-        charges: dict[str, int] = {}
+        wiring = self.wiring(group)
         if op in ("all_gather", "reduce_scatter", "all_reduce"):
-            nxt = group.ranks[(me + 1) % k]
             factor = 2 if op == "all_reduce" else 1
-            charges[self.topology.tier_between(self.rank, nxt)] = factor * (k - 1) * (nbytes // k)
+            charges = {wiring.next_tier: factor * (k - 1) * (nbytes // k)}
         elif op == "broadcast":  # a pipelined chain from the first member: B to the next, but the last
-            if me < k - 1:
-                charges[self.topology.tier_between(self.rank, group.ranks[me + 1])] = nbytes
+            charges = {wiring.next_tier: nbytes} if wiring.position < k - 1 else {}
         elif op == "all_to_all":
-            for peer in group.ranks:
-                if peer != self.rank:
-                    tier = self.topology.tier_between(self.rank, peer)
-                    charges[tier] = charges.get(tier, 0) + nbytes // k
+            charges = {tier: peers * (nbytes // k) for tier, peers in wiring.peers_by_tier.items()}
         else:
             raise CommError(f"unknown collective {op!r}")
         for tier, sent in charges.items():
             self.ledger.record(phase, tier, sent)
         return charges
+
+    def wiring(self, group: RankGroup) -> "_Wiring":
+        """How this rank is wired into ``group`` (tiers, next member, peers per tier): worked out once
+        per group, in O(k), so no collective pays for it again (a world group has 384 members)."""
+        wiring = self._wirings.get(group.ranks)
+        if wiring is None:
+            me = group.index(self.rank)
+            peers: dict[str, int] = {}
+            for peer in group.ranks:
+                if peer != self.rank:
+                    tier = self.topology.tier_between(self.rank, peer)
+                    peers[tier] = peers.get(tier, 0) + 1
+            nxt = group.ranks[(me + 1) % group.size]
+            wiring = _Wiring(self.topology.tiers_among(group.ranks), me,
+                             self.topology.tier_between(self.rank, nxt) if nxt != self.rank else "", peers)
+            self._wirings[group.ranks] = wiring
+        return wiring
+
+    def spans_nodes(self, group: RankGroup) -> bool:
+        """Whether ``group`` holds ranks of more than one node."""
+        return group.size > 1 and "inter_node" in self.wiring(group).tiers
+
+    def one_tier(self, group: RankGroup) -> bool:
+        """Whether every pair of members talks over the same tier."""
+        return len(self.wiring(group).tiers) == 1
 
     # -- collectives --------------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str) -> dict[str, int]:
@@ -108,20 +128,13 @@ class Communicator:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
         backend = backend_of_device(inp.device.type)
-        if collective_algorithm("reduce_scatter", backend, self._one_tier(group)) == ALL_TO_ALL_SUM:
+        if collective_algorithm("reduce_scatter", backend, self.one_tier(group)) == ALL_TO_ALL_SUM:
             return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
         if backend == "nccl":  # NCCL/RCCL's own ring
             return charges, Pending(compat.reduce_scatter_tensor(out, inp, group=group.handle, async_op=True), inp, out)
         self._ring_reduce_scatter(out, inp, group)
         return charges, Pending(None)
-
-    def _one_tier(self, group: RankGroup) -> bool:
-        """Whether every pair of members talks over the same tier."""
-        if group.ranks not in self._one_tier_groups:
-            tiers = {self.topology.tier_between(a, b) for a in group.ranks for b in group.ranks if a != b}
-            self._one_tier_groups[group.ranks] = len(tiers) == 1
-        return self._one_tier_groups[group.ranks]
 
     def _start_exchange_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: RankGroup, phase: str
                                        ) -> tuple[dict[str, int], "Pending"]:
@@ -227,6 +240,15 @@ class Communicator:
         """World barrier (no payload, not charged); used around checkpoint commits."""
         if self.groups.world.size > 1:
             dist.barrier()
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """One rank's place in one group (``Communicator.wiring``)."""
+    tiers: frozenset          # the tiers between any two members
+    position: int             # this rank's index among the members
+    next_tier: str            # the tier to the next member of the ring ("" in a group of one)
+    peers_by_tier: dict       # {tier: other members reached over it}
 
 
 class Pending:
