@@ -135,24 +135,29 @@ class FlatUnit:
         self.shardable = factors.w > 1
         self.decay_ranges = _decay_ranges(slots, self.opt_range)
 
-        full = torch.zeros(self.size, dtype=torch.float32, device=device)
+        # The unit is assembled where its parameters are (the host, for a unit made real by the
+        # build's materializer) and only this rank's pieces go to the engine's device: the weight
+        # chunk and the optimizer slice, not the whole unit (at 20B that is ~80 GB less per rank).
+        staging = slots[0].module._parameters[slots[0].attr].device
+        full = torch.zeros(self.size, dtype=torch.float32, device=staging)
         with torch.no_grad():
             for slot in slots:
                 param = getattr(slot.module, slot.attr)
                 full[slot.offset: slot.offset + slot.numel].copy_(param.detach().reshape(-1))
         self.init_checksum = _checksum(full)  # ranks must agree
-        self.master = full[slice(*self.opt_range)].clone()
+        self.master = _own_copy(full[slice(*self.opt_range)], torch.float32, device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad_accum = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=torch.float32, device=device)
         self.secondary: Optional[torch.Tensor] = None
         self.residuals: dict[str, torch.Tensor] = {}
-        self.flat = full.to(dtype).requires_grad_(True)
         if self.shardable:
-            self.shard = self.flat.detach()[slice(*self.weight_range)].clone()
+            self.flat = torch.empty(self.size, dtype=dtype, device=device).requires_grad_(True)
+            self.shard = _own_copy(full[slice(*self.weight_range)], dtype, device)
             self.release()
-        else:
-            self.shard = self.flat.data  # the whole unit is this rank's weight chunk
+        else:  # the whole unit is this rank's weight chunk
+            self.flat = full.to(device=device, dtype=dtype).requires_grad_(True)
+            self.shard = self.flat.data
         del full
         for slot in slots:  # the module attributes become plain tensors (views set by set_views)
             del slot.module._parameters[slot.attr]
@@ -205,6 +210,12 @@ class FlatUnit:
             if lo < hi:
                 out.append((s.name, lo - s.offset, hi - lo))
         return out
+
+
+def _own_copy(piece: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of its own holding ``piece`` in ``dtype`` on ``device`` (never a view of the staging)."""
+    out = piece.to(device=device, dtype=dtype)
+    return out.clone() if out.data_ptr() == piece.data_ptr() else out
 
 
 def _checksum(full: torch.Tensor, piece: int = 1 << 22) -> tuple[float, float]:

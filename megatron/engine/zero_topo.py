@@ -21,7 +21,9 @@ with the global norm, AdamW updates the fp32 1/os master slice, and the new weig
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import struct
 from typing import Any, Optional
 
 import torch
@@ -42,6 +44,12 @@ from megatron.engine.schedules import schedule_for
 from megatron.engine.settings import EngineSettings
 from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.topology.groups import ProcessGroups
+
+
+def _digest(values: list[float]) -> int:
+    """A signed 64-bit digest of float64 values (equal exactly when the values' bits are)."""
+    raw = struct.pack(f"<{len(values)}d", *values)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
 
 class ZeroTopoEngine:
@@ -133,18 +141,20 @@ class ZeroTopoEngine:
         self.collectives.reduce_micro(unit, grad, self.reductions, self.backward_scale)
 
     def _check_same_init(self) -> None:
-        """Every rank must start from the same weights (same seed): compare checksums once."""
+        """Every rank must start from the same weights (same seed): one digest of every unit's
+        checksum per rank, all-gathered once and compared in one read (not a read per rank pair)."""
         world = self.groups.world
         if world.size == 1:
             return
-        local = torch.tensor([v for u in self.units for v in u.init_checksum], dtype=torch.float64, device=self.device)
-        everyone = torch.empty(local.numel() * world.size, dtype=torch.float64, device=self.device)
-        self.comm.all_gather(everyone, local, world, "control")
-        table = everyone.view(world.size, -1)
-        for r in range(1, world.size):
-            if not torch.equal(table[r], table[0]):
-                raise EngineError(f"rank {r} starts from different weights than rank 0: "
-                                  "seed the model identically on every rank")
+        digest = _digest([v for u in self.units for v in u.init_checksum])
+        mine = torch.full((1,), digest, dtype=torch.int64, device=self.device)  # a fill, no host copy
+        everyone = torch.empty(world.size, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(everyone, mine, world, "control")
+        differs = everyone != everyone[0]
+        any_differs, first = torch.stack([differs.any().long(), differs.long().argmax()]).tolist()
+        if any_differs:
+            raise EngineError(f"rank {world.ranks[first]} starts from different weights than rank 0: "
+                              "seed the model identically on every rank")
 
     @property
     def backward_scale(self) -> float:
