@@ -287,12 +287,12 @@ def test_one_process_host_reads(precision, fused, reads):
     """What would stall a GPU's queue in one process's step, counted (the ops that return a value to
     the host): none in forward and backward; in the optimizer step only where a decision needs it."""
     from megatron.engine import SingleProcessEngine
-    from megatron.logging.step_profile import HostReads
+    from megatron.logging.host_syncs import HostSyncs
     opt = OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, gradient_clipping=1.0, fused=fused)
     engine = SingleProcessEngine(build_model(), lm_loss, opt, precision, 1, torch.device("cpu"))
     for step in range(2):
-        with HostReads() as backward_reads:
+        with HostSyncs() as backward_reads:
             engine.forward_backward(make_batch(step, 0, 0))
-        with HostReads() as step_reads:
+        with HostSyncs() as step_reads:
             engine.optimizer_step(1e-3)
         assert (backward_reads.count, step_reads.count) == (0, reads), step

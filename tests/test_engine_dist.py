@@ -18,7 +18,7 @@ from megatron.checkpointing.param_slices import assemble
 from megatron.engine import fused_lm_loss, lm_loss
 from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
-from megatron.logging.step_profile import HostReads
+from megatron.logging.host_syncs import HostSyncs
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
 
 STEPS, ACCUM = 3, 2
@@ -69,11 +69,11 @@ def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: in
     losses, norms, ledgers, reads = [], [], [], []
     for step in range(steps):
         comm.ledger.reset()
-        with HostReads() as backward_reads:
+        with HostSyncs() as backward_reads:
             micro_losses = [engine.forward_backward(make_batch(0 if repeat_batch else step, m, rank))
                             for m in range(accum)]
         local = [loss.item() for loss in micro_losses]
-        with HostReads() as step_reads:
+        with HostSyncs() as step_reads:
             out = engine.optimizer_step(lr)
         reads.append((backward_reads.count, step_reads.count))
         losses.append(engine.all_reduce_sum([sum(local)])[0] / (world_size * accum))

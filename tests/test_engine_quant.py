@@ -29,7 +29,7 @@ from megatron.engine import lm_loss
 from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
-from megatron.logging.step_profile import HostReads
+from megatron.logging.host_syncs import HostSyncs
 from megatron.engine.quantized import (QuantizedCollectives, merge_messages, message_bytes, pack_messages, qgz_swizzle, unpack_messages)
 from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
@@ -115,7 +115,7 @@ def test_non_finite_values_travel_as_their_scale_and_nothing_waits_for_the_devic
                               torch.device("cpu"))
     x = torch.tensor([7.0, -7.0, float("inf"), 1.0, 7.0, 0.0, 0.0, -7.0])  # scale 1 in block 1: exact codes
     residual = torch.zeros(8)
-    with HostReads() as reads:
+    with HostSyncs() as reads:
         codes, scales = qc.encode(x, 4, residual)
         message = qc.message(x, 8)
     assert reads.count == 0
@@ -167,10 +167,10 @@ def _train(engine: ZeroTopoEngine, rank: int, steps: int) -> dict:
     comm = engine.comm
     for step in range(steps):
         comm.ledger.reset()
-        with HostReads() as backward_reads:
+        with HostSyncs() as backward_reads:
             loss = engine.forward_backward(make_batch(step % POOL, 0, rank))
         local = loss.item()
-        with HostReads() as step_reads:
+        with HostSyncs() as step_reads:
             norms.append(engine.optimizer_step(LR)["grad_norm"])
         reads.append((backward_reads.count, step_reads.count))
         losses.append(engine.all_reduce_sum([local])[0] / WORLD)

@@ -29,6 +29,7 @@ from megatron.topology import compat
 from megatron.topology.groups import ProcessGroups, RankGroup
 from megatron.topology.algorithms import ALL_TO_ALL_SUM, backend_of_device, collective_algorithm
 from megatron.engine.ledger import PHASES, TIERS, ByteLedger
+from megatron.engine.nccl_rules import NcclRules, strict_from_env
 
 
 class CommError(ValueError):
@@ -38,12 +39,20 @@ class CommError(ValueError):
 class Communicator:
     """Collectives on ``RankGroup``s of ``groups``, charged to ``ledger`` by phase and tier."""
 
-    def __init__(self, groups: ProcessGroups, ledger: ByteLedger | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, groups: ProcessGroups, ledger: ByteLedger | None = None, device: torch.device | str = "cpu",
+                 strict: Optional[bool] = None, ring_reduce_scatter: bool = False):
+        """``strict``: check every call against NCCL/RCCL's rules (megatron/engine/nccl_rules.py);
+        None: as ``NEOX_TOPO_STRICT_COLLECTIVES`` says (on in the tests). ``ring_reduce_scatter``:
+        on CPU tensors, run every reduce-scatter as the send/receive ring in the buffer's dtype, as
+        NCCL does (a sum rounded at each hop), not gloo's all-to-all and one fp32 sum: for checks of
+        NCCL's numerics on CPU (docs/numerics.md)."""
         self.groups = groups
         self.topology = groups.topology
         self.rank = groups.rank
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = torch.device(device)  # where small control buffers live (cuda under NCCL)
+        self.rules = NcclRules(self.device) if (strict_from_env() if strict is None else strict) else None
+        self.ring_reduce_scatter = ring_reduce_scatter
         self._wirings: dict[tuple[int, ...], _Wiring] = {}
 
     # -- charging -----------------------------------------------------------------------------------
@@ -110,6 +119,8 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
+        if self.rules:
+            self.rules.tensors("all_gather", out, inp)
         charges = self.charge("all_gather", _nbytes(out), group, phase)
         return charges, Pending(compat.all_gather_tensor(out, inp, group=group.handle, async_op=True), inp, out)
 
@@ -128,7 +139,12 @@ class Communicator:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
         backend = backend_of_device(inp.device.type)
-        if collective_algorithm("reduce_scatter", backend, self.one_tier(group)) == ALL_TO_ALL_SUM:
+        exchange = (not self.ring_reduce_scatter and
+                    collective_algorithm("reduce_scatter", backend, self.one_tier(group)) == ALL_TO_ALL_SUM)
+        if self.rules:
+            self.rules.tensors("reduce_scatter", out, inp)
+            self.rules.reduce_scatter_path("nccl" if backend == "nccl" else "all_to_all_sum" if exchange else "ring")
+        if exchange:
             return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
         if backend == "nccl":  # NCCL/RCCL's own ring
@@ -183,12 +199,17 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
+        if self.rules:
+            self.rules.tensors("all_to_all", out, inp)
+            self.rules.all_to_all(out, inp, group.size)
         charges = self.charge("all_to_all", _nbytes(inp), group, phase)
         return charges, Pending(dist.all_to_all_single(out, inp, group=group.handle, async_op=True), inp, out)
 
     def issue_all_reduce(self, buf: torch.Tensor, group: RankGroup) -> None:
         """The all-reduce without charging: only for callers that charged beforehand (the ledger sync)."""
         if group.size > 1:
+            if self.rules:
+                self.rules.tensors("all_reduce", buf)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group.handle)
 
     def sync_ledger(self) -> dict[tuple[str, str], int]:
@@ -229,17 +250,24 @@ class Communicator:
         raw = pickle.dumps(obj) if self.rank == root else b""
         length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
         self.charge("broadcast", _nbytes(length), group, phase)
+        if self.rules:
+            self.rules.tensors("broadcast", length)
         dist.broadcast(length, root, group=group.handle)
         words = max(-(-int(length.item()) // 8), 1)
         buf = _words_of(raw, words).to(self.device)
         self.charge("broadcast", _nbytes(buf), group, phase)
+        if self.rules:
+            self.rules.tensors("broadcast", buf)
         dist.broadcast(buf, root, group=group.handle)
         return pickle.loads(buf.cpu().view(torch.uint8)[:int(length.item())].numpy().tobytes())
 
     def barrier(self) -> None:
         """World barrier (no payload, not charged); used around checkpoint commits."""
         if self.groups.world.size > 1:
-            dist.barrier()
+            device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            if self.rules:
+                self.rules.barrier(device_ids)
+            dist.barrier(device_ids=device_ids)
 
 
 @dataclass(frozen=True)

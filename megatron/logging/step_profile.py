@@ -35,7 +35,8 @@ from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron.logging.host_syncs import HOST_READ_OPS
 
 STEP_MARK = "neox_topo.profiled_step"
 
@@ -77,7 +78,6 @@ BLOCKING_CALLS = ("cudaMemcpy", "hipMemcpy", "cudaMemcpy2D", "hipMemcpy2D")
 # ``torch.equal``): on a GPU each waits for the device. Counted on a CPU too, where they cost
 # nothing, so a CPU run shows the syncs a GPU run would have. Not seen there: ``.tolist()`` and
 # ``.cpu()``, which dispatch nothing for a tensor already on the host.
-HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::equal")
 # What calls them from Python; a read inside any other aten op is that kernel's own business on a
 # CPU (torch's fused AdamW reads its step counts there, on a GPU it keeps them on the device).
 READ_WRAPPERS = frozenset({"aten::item", "aten::is_nonzero", *HOST_READ_OPS})
@@ -303,21 +303,3 @@ class ProfiledSteps:
                 f"{result.busy_ms:.1f}, idle {result.idle_ms:.1f}, exposed communication "
                 f"{result.exposed_comm_ms:.1f}{syncs} | " + ", ".join(f"{kind} {ms:.1f}" for ms, kind in kinds)
                 + f" | traces {self.trace_path(iteration, '*')}")
-
-
-class HostReads(TorchDispatchMode):
-    """Counts, while active, the ops that hand a tensor's value to the host (``HOST_READ_OPS``): the
-    host syncs the same code would make on a GPU. ``with HostReads() as reads: ...; reads.count``.
-    A CPU run cannot tell a tensor that would live on the device from one that stays on the host
-    in a GPU run too (the for-loop AdamW's step counts): both are counted."""
-
-    OPS = frozenset(getattr(torch.ops.aten, name.split("::")[1]).default for name in HOST_READ_OPS)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
