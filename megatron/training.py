@@ -52,8 +52,17 @@ class Batching:
 
 
 def collate(dataset, indices, device: torch.device) -> dict:
+    """The samples at ``indices`` as a batch on ``device``: stacked on the host, pinned when the
+    device is a GPU and copied without waiting (a copy from pageable memory makes the host wait for
+    the device every micro-step)."""
     samples = [dataset[i] for i in indices]
-    return {key: torch.stack([s[key] for s in samples]).to(device) for key in ("tokens", "labels")}
+    batch = {}
+    for key in ("tokens", "labels"):
+        host = torch.stack([s[key] for s in samples])
+        if device.type == "cuda":
+            host = host.pin_memory()
+        batch[key] = host.to(device, non_blocking=True)
+    return batch
 
 
 class StopRequest:
@@ -120,10 +129,11 @@ class Trainer:
             batch = collate(self.train_data, indices, self.runtime.device)
             local_loss_sum += self.engine.forward_backward(batch)  # stays on the device: no sync per micro-step
         stats = self.engine.optimizer_step(lr)
-        # The stop flag rides with the loss: every rank learns of a signal any rank got, same step.
-        # The step's one host sync: the loss read back after all its work was queued.
+        # The stop flag and the byte ledger ride with the loss: every rank learns of a signal any rank
+        # got, same step. The loop's one host sync: the loss read back after all its work was queued
+        # (the engine's step has its own, the gradient norm).
         loss_sum, count, stops = self.engine.all_reduce_sum(
-            [local_loss_sum, float(self.batching.accumulation), float(self.stop.requested)])
+            [local_loss_sum, float(self.batching.accumulation), float(self.stop.requested)], sync_ledger=True)
         stats = {key: float(value) for key, value in stats.items()}  # device scalars, ready by now
         self.stop_agreed = stops > 0
         self.iteration += 1
@@ -198,8 +208,8 @@ class Trainer:
         self.metrics.close()
 
     def _comm_metrics(self) -> dict:
-        """The byte ledger since the last sync (this step, plus any eval or checkpoint traffic that
-        came after the previous step), summed over ranks; the sync is itself counted."""
+        """The byte ledger synced with this step's vector (this step, plus any eval or checkpoint traffic
+        that came after the previous step), summed over ranks; the shared all-reduce is counted."""
         metrics = self.engine.comm_metrics()
         for key, value in metrics.items():
             self.comm_totals[key] = self.comm_totals.get(key, 0) + value

@@ -49,17 +49,16 @@ def _engine(rank: int, tiers: list, layout: ShardLayout, quant: QuantSpec):
 
 
 def _step(engine, rank: int, step: int) -> dict:
-    """The trainer's order: micro-batch, optimizer step, the step vector, the ledger sync."""
+    """The trainer's order: micro-batch, optimizer step, the step vector carrying the ledger."""
     loss = float(engine.forward_backward(make_batch(step, 0, rank)))
     held = [u.shard[u.opt_range[0] - u.weight_range[0]: u.opt_range[1] - u.weight_range[0]].float().clone()
             for u in engine.units]
     engine.optimizer_step(LR)
-    total = engine.all_reduce_sum([loss, 1.0, 0.0])[0]
+    total = engine.all_reduce_sum([loss, 1.0, 0.0], sync_ledger=True)[0]
     changes = [(u.master - h).abs().max().item() for u, h in zip(engine.units, held)]
     off = [(u.shard[u.opt_range[0] - u.weight_range[0]: u.opt_range[1] - u.weight_range[0]].float()
             - u.master).abs().max().item() for u in engine.units]
-    ledger = engine.comm.sync_ledger()
-    engine.ledger.reset()  # the trainer's window: one step, its sync included
+    ledger = engine.synced_ledger()  # the trainer's window: one step, its step vector included
     return {"loss": total / 4, "ledger": ledger, "changes": changes, "off": off,
             "shards": [u.shard.clone() for u in engine.units]}
 

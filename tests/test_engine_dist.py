@@ -64,7 +64,7 @@ def _watch_cross_all_reduces(engine: ZeroTopoEngine, comm: Communicator) -> list
 
 def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: int, steps: int, accum: int,
            repeat_batch: bool = False, lr: float = LR) -> dict:
-    """The trainer's step order: micro-batches, optimizer step, loss all-reduce, ledger sync, reset.
+    """The trainer's step order: micro-batches, optimizer step, loss all-reduce carrying the ledger.
     Also the host reads (syncs on a GPU) of the engine's forward-backward and optimizer step."""
     losses, norms, ledgers, reads = [], [], [], []
     for step in range(steps):
@@ -76,9 +76,9 @@ def _train(engine: ZeroTopoEngine, comm: Communicator, rank: int, world_size: in
         with HostSyncs() as step_reads:
             out = engine.optimizer_step(lr)
         reads.append((backward_reads.count, step_reads.count))
-        losses.append(engine.all_reduce_sum([sum(local)])[0] / (world_size * accum))
+        losses.append(engine.all_reduce_sum([sum(local)], sync_ledger=True)[0] / (world_size * accum))
         norms.append(out["grad_norm"])
-        ledgers.append(comm.sync_ledger())
+        ledgers.append(engine.synced_ledger())
     return {"losses": losses, "norms": norms, "ledgers": ledgers, "host_reads": reads}
 
 

@@ -173,8 +173,8 @@ def _train(engine: ZeroTopoEngine, rank: int, steps: int) -> dict:
         with HostSyncs() as step_reads:
             norms.append(engine.optimizer_step(LR)["grad_norm"])
         reads.append((backward_reads.count, step_reads.count))
-        losses.append(engine.all_reduce_sum([local])[0] / WORLD)
-        ledgers.append(comm.sync_ledger())
+        losses.append(engine.all_reduce_sum([local], sync_ledger=True)[0] / WORLD)
+        ledgers.append(engine.synced_ledger())
     return {"losses": losses, "norms": norms, "ledgers": ledgers, "host_reads": reads}
 
 

@@ -147,8 +147,21 @@ def _train_step(engine: ZeroTopoEngine, rank: int, step: int, accum: int) -> dic
     local_loss_sum = sum(float(engine.forward_backward(make_batch(step, m, rank))) for m in range(accum))
     before_step = engine.model_state_bytes()
     engine.optimizer_step(LR)
-    engine.all_reduce_sum([local_loss_sum, float(accum), 0.0])
+    engine.all_reduce_sum([local_loss_sum, float(accum), 0.0], sync_ledger=True)
     return {"before_step": before_step, "after_step": engine.model_state_bytes()}
+
+
+def _keep_own_counters(engine: ZeroTopoEngine) -> dict:
+    """This rank's own counters at each sync (the step vector's bytes included), for the per-rank
+    comparison: the engine resets its ledger once the step vector has carried them."""
+    own: dict = {}
+    reset = engine.ledger.reset
+
+    def keep_then_reset() -> None:
+        own["counters"] = engine.ledger.snapshot()
+        reset()
+    engine.ledger.reset = keep_then_reset
+    return own
 
 
 def _evaluate(engine: ZeroTopoEngine, rank: int, eval_iters: int) -> None:
@@ -157,13 +170,9 @@ def _evaluate(engine: ZeroTopoEngine, rank: int, eval_iters: int) -> None:
     engine.all_reduce_sum([loss_sum, float(eval_iters)])
 
 
-def _close_window(engine: ZeroTopoEngine) -> dict:
-    """``Trainer._comm_metrics``: sync (which charges itself first) and reset; also keep this rank's
-    own counters, the sync included, for the per-rank comparison."""
-    totals = engine.comm.sync_ledger()
-    own = engine.ledger.snapshot()
-    engine.ledger.reset()
-    return {"totals": totals, "own": own}
+def _close_window(engine: ZeroTopoEngine, own: dict) -> dict:
+    """``Trainer._comm_metrics``: the totals the step vector carried, and this rank's own counters."""
+    return {"totals": engine.synced_ledger(), "own": own["counters"]}
 
 
 def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict) -> dict:
@@ -182,15 +191,16 @@ def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict)
                               error_feedback=feedback, impl="reference")
     engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=case["precision"], accumulation_steps=case["accum"], fp32_allreduce=case["fp32_allreduce"], quant=quant, cross_node_reduction=case["cross_node_reduction"]))
     engine.ledger.reset()
+    own = _keep_own_counters(engine)
     first = _train_step(engine, rank, 0, case["accum"])
-    windows = [_close_window(engine)]
+    windows = [_close_window(engine, own)]
     result = {"unit_numels": [u.numel for u in engine.units], "unit_sizes": [u.size for u in engine.units],
               "recomputing": [u.index for u in engine.units if u.recomputes], "memory": first, "windows": windows}
     if case["eval_iters"]:  # the trainer evaluates after the step's sync: the next window holds it
         _evaluate(engine, rank, case["eval_iters"])
         result["memory_after_eval"] = engine.model_state_bytes()
         _train_step(engine, rank, 1, case["accum"])
-        windows.append(_close_window(engine))
+        windows.append(_close_window(engine, own))
     return result
 
 

@@ -112,8 +112,8 @@ class _Watched:
     def forward_backward(self, batch: dict) -> torch.Tensor:
         return self.engine.forward_backward(batch)
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return self.engine.all_reduce_sum(values)
+    def all_reduce_sum(self, values: list[float], sync_ledger: bool = False) -> list[float]:
+        return self.engine.all_reduce_sum(values, sync_ledger)
 
     def optimizer_step(self, lr: float) -> dict:
         step = len(self.record["lrs"])

@@ -81,8 +81,8 @@ UNITS = (400, 400, 400)
 B = 400 * 4                                                   # one unit in fp32, bytes
 RING = 3 * INTER_LAT + 0.75 * B / INTER_BW                    # world all-gather / reduce-scatter: 3 + 12 s
 CONTROL = sum(6 * INTER_LAT + 1.5 * nbytes / INTER_BW         # world all-reduces: 2(k-1) steps, 2(k-1)/k of B
-              for nbytes in (4 * 4, 4 * 8, 32 * 8))           # norm partials (fp32 x N), loss (3 -> 4 x fp64),
-#                                                               ledger vector (30 -> 32 x fp64)
+              for nbytes in (4 * 4, 36 * 8))                  # norm partials (fp32 x N), the step vector: loss
+#                                                               (3) and the ledger's counters (30), 33 -> 36 x fp64
 TOKENS, FLOPS_PER_TOKEN = 10, (0.0, 400.0, 300.0)             # embedding lookup, a block, the head
 FWD = [f * TOKENS / 1000.0 for f in FLOPS_PER_TOKEN]          # 0, 4, 3 s at 1000 FLOP/s
 OPTIMIZER_S = 3 * 100 / 100.0                                 # 3 units x S/os = 100 elements at 100/s
@@ -155,7 +155,7 @@ def test_each_tier_hides_with_its_own_overlap_efficiency():
     forward = G + window(f0, G) + window(f1, G) + f2
     backward = window(2 * f2, G) + window(2 * f1, G + R) + window(2 * f0, R) + R
     cross = 1 * INTER_LAT + 1.0 * 800 * 4 // 2 / INTER_BW            # S/g over two concurrent pairs per node
-    control = sum(_allreduce(n) for n in (4 * 4, 4 * 8, 32 * 8))
+    control = sum(_allreduce(n) for n in (4 * 4, 36 * 8))  # norm; step vector with the ledger (33 -> 36)
     optimizer = 3 * 200 / 100.0                                      # S/os = 200 elements per unit
     base = toy_hardware(efficiency=1.0)
     device = Device("toy", 1000.0, 100.0, 1e9, 1.0, 1e12, {"intra_node": 0.5})

@@ -70,8 +70,8 @@ class CommSpec:
     eval_loss_vector_len: int = 2
     """Elements of the evaluation's float64 loss vector (loss sum, count), one per eval window."""
     ledger_vector_len: int = (len(PHASES) + 1) * 3
-    """Elements of the ledger's float64 sync vector: (phases + the off-step `checkpoint` phase) x 3
-    tiers counters — the ledger keeps all three tiers even on 2-tier layouts."""
+    """The ledger's float64 counters, which ride in the step vector's all-reduce: (phases + the
+    off-step `checkpoint` phase) x 3 tiers — the ledger keeps all three tiers even on 2-tier layouts."""
     reductions_in_flight: int = 0
     """Gradient-reduction pieces in flight behind the backward (overlap_comm: reduce_buckets_in_flight);
     0 = each reduction waited for at once. Memory only: the bytes sent do not depend on it."""
@@ -357,9 +357,10 @@ def _zeropp_collectives(spec: CommSpec) -> list:
 
 def control_collectives(spec: CommSpec) -> list:
     n = spec.world_size
-    out = [Collective("control", ALL_REDUCE, "world", n, FP32_BYTES),  # squared grad-norm partials
-           Collective("control", ALL_REDUCE, "world", _round_up(spec.loss_vector_len, n), FP64_BYTES),
-           Collective("control", ALL_REDUCE, "world", _round_up(spec.ledger_vector_len, n), FP64_BYTES)]
+    # the squared grad-norm partials; the step vector, with the ledger's counters riding in it
+    out = [Collective("control", ALL_REDUCE, "world", n, FP32_BYTES),
+           Collective("control", ALL_REDUCE, "world", _round_up(spec.loss_vector_len + spec.ledger_vector_len, n),
+                      FP64_BYTES)]
     if spec.eval_forward_passes:  # the evaluation's own loss allreduce
         out.append(Collective("control", ALL_REDUCE, "world", _round_up(spec.eval_loss_vector_len, n), FP64_BYTES))
     return out

@@ -10,7 +10,6 @@ collectives and the schedule, and offers what the engine and its state I/O (stat
 - ``refresh``: new weights from the master slice up the cross and stride groups into the weight
   chunk (the cross hop INT8 with ``refresh_bits``), after every step and after a load;
 - ``gather_up`` / ``gather_full``: a chunk all-gathered up a list of groups (full states for export);
-- ``world_sum``: float64 sums over every rank (loss, norm, stop flag), one control all-reduce.
 """
 from __future__ import annotations
 
@@ -155,15 +154,3 @@ class UnitCollectives:
         """An fp32 1/os slice (master or moment) assembled into all S elements on every rank."""
         g = self.groups
         return self.gather_up(tensor.float(), [g.cross, g.stride, g.weight], phase)
-
-    # -- scalars ----------------------------------------------------------------------------------
-    def world_sum(self, values: list) -> list[float]:
-        """Sum ``values`` (floats or 0-d tensors) over every rank as one float64 world all-reduce,
-        padded to a multiple of N (the ledger's ``control`` phase)."""
-        world = self.groups.world
-        padded = max(-(-len(values) // world.size) * world.size, world.size)
-        buf = torch.zeros(padded, dtype=torch.float64, device=self.device)
-        if values:
-            buf[: len(values)] = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in values])
-        self.comm.all_reduce(buf, world, "control")
-        return buf[: len(values)].tolist()

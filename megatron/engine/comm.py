@@ -206,26 +206,35 @@ class Communicator:
         return charges, Pending(dist.all_to_all_single(out, inp, group=group.handle, async_op=True), inp, out)
 
     def issue_all_reduce(self, buf: torch.Tensor, group: RankGroup) -> None:
-        """The all-reduce without charging: only for callers that charged beforehand (the ledger sync)."""
+        """The all-reduce without charging: only for callers that charged beforehand (``world_sum``)."""
         if group.size > 1:
             if self.rules:
                 self.rules.tensors("all_reduce", buf)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group.handle)
 
-    def sync_ledger(self) -> dict[tuple[str, str], int]:
-        """The ledger's counters summed over all ranks by one float64 world all-reduce (collective).
+    def world_sum(self, values: list, with_ledger: bool = False) -> tuple[list[float], dict[tuple[str, str], int]]:
+        """Sum ``values`` (floats, or 0-d tensors on the device) over every rank as one float64 world
+        all-reduce padded to a multiple of N (``control``), read back in one copy: the only wait. With
+        ``with_ledger`` the ledger's counters ride in the same all-reduce, recorded after its own bytes
+        are charged (the totals include it), and come back summed over the ranks; else {}.
 
-        The all-reduce's own bytes are recorded under ``control`` before the counters are packed, so
-        the totals include the sync itself."""
-        keys = [(p, t) for p in PHASES for t in TIERS]
+        Python floats and counters travel as one host buffer (pinned on a GPU, copied without
+        waiting); a device tensor is copied on the device: nothing here copies a value at a time."""
         world = self.groups.world
-        padded = -(-len(keys) // world.size) * world.size
-        buf = torch.zeros(padded, dtype=torch.float64, device=self.device)
-        self.charge("all_reduce", buf.numel() * buf.element_size(), world, "control")
-        local = self.ledger.snapshot()
-        buf[: len(keys)] = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=self.device)
+        keys = [(p, t) for p in PHASES for t in TIERS] if with_ledger else []
+        n = len(values) + len(keys)
+        buf = torch.zeros(max(-(-n // world.size) * world.size, world.size), dtype=torch.float64, device=self.device)
+        self.charge("all_reduce", _nbytes(buf), world, "control")
+        counters = self.ledger.snapshot() if with_ledger else {}
+        host = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values] + [float(counters[k]) for k in keys]
+        if host:
+            buf[:n].copy_(_staged(host, self.device), non_blocking=True)
+        for i, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                buf[i].copy_(value)
         self.issue_all_reduce(buf, world)
-        return {k: int(round(v)) for k, v in zip(keys, buf[: len(keys)].tolist())}
+        summed = buf[:n].tolist()
+        return summed[:len(values)], {k: int(round(v)) for k, v in zip(keys, summed[len(values):])}
 
     def all_gather_object(self, obj, group: RankGroup, phase: str) -> list:
         """Every member's small picklable ``obj`` in member order, on every member: two all-gathers
@@ -293,6 +302,13 @@ class Pending:
             if self._then is not None:  # the local part of the collective (a reduce-scatter's sum)
                 self._then()
             self._work, self._buffers, self._then = None, (), None
+
+
+def _staged(values: list[float], device: torch.device) -> torch.Tensor:
+    """Python floats as one float64 host tensor, pinned when it goes to a GPU (so its copy does not
+    make the host wait)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    return host.pin_memory() if device.type == "cuda" else host
 
 
 def _words_of(raw: bytes, words: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Per-rank counters of the bytes each collective sends, by (phase, tier), and their world sum.
 
 The charging rule (docs/engine.md, "Bytes charged") lives in ``Communicator.charge`` and the world
-sum in ``Communicator.sync_ledger``; this module only keeps counters. Counters are Python ints (exact); the world sum travels as float64,
+sum in ``Communicator.world_sum`` (riding in the step vector); this module only keeps counters. Counters are Python ints (exact); the world sum travels as float64,
 exact up to 2**53 bytes per entry.
 """
 from __future__ import annotations

@@ -29,9 +29,10 @@ class Engine(Protocol):
     def eval_loss(self, batch: dict) -> torch.Tensor:
         """Mean loss of one batch without gradients."""
 
-    def all_reduce_sum(self, values: list) -> list[float]:
+    def all_reduce_sum(self, values: list, sync_ledger: bool = False) -> list[float]:
         """Sum `values` (floats or 0-d device tensors) over every rank (a `control` collective) and
-        return them as floats; on one process only the read-back."""
+        return them as floats; on one process only the read-back. ``sync_ledger`` (once per step):
+        the byte ledger's counters ride in the same collective, for ``comm_metrics``."""
 
     def gather_objects(self, obj: Any) -> list:
         """Every rank's small picklable ``obj`` in rank order, on every rank (collective)."""
@@ -40,8 +41,8 @@ class Engine(Protocol):
         """Rank 0's picklable ``obj`` on every rank (collective; other ranks pass None)."""
 
     def comm_metrics(self) -> dict:
-        """The byte ledger since the last call, summed over ranks, as metrics (``comm/...``), and a
-        fresh ledger; {} on one process (no collectives)."""
+        """The byte ledger synced by ``all_reduce_sum(..., sync_ledger=True)`` since the last call,
+        summed over ranks, as metrics (``comm/...``); {} on one process (no collectives)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """All parameters by name, fp32, on every rank (tests, export)."""

@@ -79,7 +79,7 @@ class SingleProcessEngine:
         with self._autocast():
             return self.loss_fn(self.model, batch).detach()
 
-    def all_reduce_sum(self, values: list) -> list[float]:
+    def all_reduce_sum(self, values: list, sync_ledger: bool = False) -> list[float]:
         return [float(v) for v in values]
 
     def gather_objects(self, obj: Any) -> list:

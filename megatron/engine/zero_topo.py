@@ -36,7 +36,7 @@ from megatron.engine.comm import Communicator
 from megatron.engine.flat_unit import EngineError, FlatUnit, Materialize, shard_units
 from megatron.engine.gathering import UnitGathers
 from megatron.engine.grad_reduce import ReductionWindow
-from megatron.engine.ledger import ByteLedger
+from megatron.engine.ledger import PHASES, TIERS, ByteLedger
 from megatron.engine.optimizer import ShardedAdamW
 from megatron.engine.protocol import LossFn
 from megatron.engine.quantized import QuantizedCollectives
@@ -78,6 +78,7 @@ class ZeroTopoEngine:
         self.optimizer = ShardedAdamW(settings.optimizer)
         self.gradient_clipping = float(settings.optimizer.gradient_clipping or 0.0)
         self.micro_count = 0  # micro-batches since the last optimizer step
+        self._synced: dict = {}  # the ledger's world totals synced with the step vector (synced_ledger)
         self.device = device or next(model.parameters()).device
         quant_block = self.quant.block_size if self.quant.enabled else None  # sets the padding quantum
         self.units = shard_units(model, units if units is not None else model.units(), self.layout, groups.rank,
@@ -229,9 +230,16 @@ class ZeroTopoEngine:
         self.micro_count = 0
         return {"grad_norm": norm, "loss_scale": scale_used, "skipped_step": float(not finite)}
 
-    def all_reduce_sum(self, values: list) -> list[float]:
-        """Sum over every rank as one float64 world all-reduce padded to a multiple of N (control)."""
-        return self.collectives.world_sum(values)
+    def all_reduce_sum(self, values: list, sync_ledger: bool = False) -> list[float]:
+        """Sum over every rank as one float64 world all-reduce padded to a multiple of N (control).
+        ``sync_ledger`` (the trainer's step vector): the byte ledger's counters ride in it, and their
+        world totals wait for ``comm_metrics`` / ``synced_ledger`` (no collective of their own)."""
+        sums, totals = self.comm.world_sum(values, with_ledger=sync_ledger)
+        if sync_ledger:
+            self.ledger.reset()  # what it counted is in the totals now
+            for key, nbytes in totals.items():
+                self._synced[key] = self._synced.get(key, 0) + nbytes
+        return sums
 
     def gather_objects(self, obj: Any) -> list:
         """Every rank's picklable ``obj`` in rank order (the checkpoint's piece lists for index.json)."""
@@ -241,10 +249,14 @@ class ZeroTopoEngine:
         """Rank 0's picklable ``obj`` on every rank."""
         return self.comm.broadcast_object(obj, self.groups.world, "checkpoint")
 
+    def synced_ledger(self) -> dict[tuple[str, str], int]:
+        """The ledger's totals over every rank synced by ``all_reduce_sum(..., sync_ledger=True)``
+        since the last call, {(phase, tier): bytes}; starts a new window."""
+        totals, self._synced = self._synced, {}
+        return {(p, t): totals.get((p, t), 0) for p in PHASES for t in TIERS}
+
     def comm_metrics(self) -> dict:
-        totals = self.comm.sync_ledger()
-        self.ledger.reset()
-        return ByteLedger.metrics(totals)
+        return ByteLedger.metrics(self.synced_ledger())
 
     # -- states (implemented in state_io) -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
