@@ -3,11 +3,17 @@ compiled, on the same shape, weights and batches.
 
     .venv/bin/python bench/gpu_throughput.py                       # the 1.01B shape on cuda, bf16
     .venv/bin/python bench/gpu_throughput.py --shape 24,2048,16,2048,4,50432 --steps 10
+    .venv/bin/python bench/gpu_throughput.py --device cpu             # the tiny shape in fp32 (seconds)
     .venv/bin/python bench/gpu_throughput.py --device cpu --shape tiny --precision fp32 --rows ours,hf
     .venv/bin/python bench/gpu_throughput.py --breakdown --trace-dir traces   # where each row's time goes
 
-Rows (``--rows``, run in the order given; the default runs all but the three marked "not a default
-row", the comparison that matters first: ours, hf_compile, ours_compile, ours_fused_ce, hf, so that a
+--device is cuda unless told otherwise; where torch sees no GPU that is one line on stderr and exit
+code 77 (nothing measured, as tools/gpu_check.sh). --shape, --precision and --rows default per
+device: 1b in bf16 with the default rows below on cuda; tiny in fp32 with the eager rows (ours,
+ours_fused_ce, hf: ~10 s) on cpu, where torch.compile's C++ builds would take minutes.
+
+Rows (``--rows``, run in the order given; the default on cuda runs all but the three marked "not a
+default row", the comparison that matters first: ours, hf_compile, ours_compile, ours_fused_ce, hf, so that a
 run cut short by a time limit still has it):
   ours           the step `deepy.py train.py` runs on one device: megatron.engine.SingleProcessEngine
                  (fp32 weights, autocast to --precision, AdamW as optimizer.params.fused says, clip 1.0)
@@ -44,6 +50,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -70,6 +77,9 @@ RECOMPUTE = {"ours_recompute": dict(checkpoint_activations=True),
 # name: (layers, hidden, heads, seq, micro-batch, vocab); all parallel residual, rotary 0.5, untied
 SHAPES = {"1b": (16, 2048, 16, 2048, 8, 50432), "tiny": (2, 64, 4, 64, 2, 512)}
 PRECISIONS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "fp16", "fp32": "fp32"}
+CPU_ROWS = ("ours", "ours_fused_ce", "hf")  # no compilation: seconds on a CPU
+DEFAULTS = {"cuda": ("1b", "bf16", DEFAULT_ROWS), "cpu": ("tiny", "fp32", CPU_ROWS)}  # when not given
+NO_GPU = 77  # nothing measured: torch sees no GPU (tools/gpu_check.sh's code for the same)
 
 
 def model_config(shape: tuple, **overrides) -> ModelConfig:
@@ -254,28 +264,34 @@ def table(results: list[Row], shape: tuple, precision: str, device: torch.device
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", default="1b", help=f"{', '.join(SHAPES)} or layers,hidden,heads,seq,micro,vocab")
-    parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--shape", help=f"{', '.join(SHAPES)} or layers,hidden,heads,seq,micro,vocab "
+                                        "(default: 1b on cuda, tiny on cpu)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument("--rows", help=f"comma-separated, from {', '.join(ROWS)} (default: {','.join(DEFAULT_ROWS)} "
+                                       f"on cuda, {','.join(CPU_ROWS)} on cpu)")
     parser.add_argument("--unfused-adamw", action="store_true", help="our rows with optimizer.params.fused false")
     parser.add_argument("--json", help="also write the rows here (rewritten after every row)")
     parser.add_argument("--breakdown", action="store_true",
                         help="profile one more step per row: time per kind of kernel, idle, launches, host syncs")
     parser.add_argument("--trace-dir", help="keep each row's chrome trace here as ROW.json.gz (implies --breakdown)")
     args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_throughput: --device {args.device}, but torch {torch.__version__} sees no GPU here; the small "
+              "CPU shape runs with: bench/gpu_throughput.py --device cpu --shape tiny --precision fp32", file=sys.stderr)
+        return NO_GPU
+    shape_default, precision_default, rows_default = DEFAULTS.get(device.type, DEFAULTS["cpu"])
+    rows = [r for r in (args.rows or ",".join(rows_default)).split(",") if r]
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:
         raise SystemExit(f"--rows: choose from {', '.join(ROWS)}; got {args.rows!r}")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no GPU here; use --device cpu --shape tiny")
-    shape, precision = parse_shape(args.shape), PRECISIONS[args.precision]
+    shape = parse_shape(args.shape or shape_default)
+    precision = PRECISIONS[args.precision or precision_default]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"gpu_throughput: {name}, torch {torch.__version__}, shape (layers, hidden, heads, seq, micro, vocab) "
           f"= {shape}, {precision}, {args.steps} steps after {args.warmup} warm-up", flush=True)

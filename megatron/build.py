@@ -1,7 +1,9 @@
 """Build a training run from a validated config: runtime, tokenizer, data, model, engine, trainer.
 
-The order matters in one place only: rank 0 builds data caches (demo corpus, sample indices)
-while the other ranks wait at a barrier, so no two processes write the same file.
+The order matters in one place only: rank 0 builds the data caches (demo corpus, sample and blend
+indices) while the other ranks wait for it (Runtime.on_rank_zero: on the rendezvous store, not in a
+collective, so a build longer than distributed_timeout_minutes is fine), so no two processes write
+the same file.
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
 from megatron.model import GPTNeoX, model_flops_per_token, num_parameters
-from megatron.runtime import Runtime, init_runtime
+from megatron.runtime import RankZeroError, Runtime, init_runtime
 from megatron.training import Trainer
 
 def _user_errors() -> tuple:
     from megatron.topology import TopologyError
     from megatron.engine.flat_unit import EngineError
     from megatron.numerics import NumericsError
-    return (ConfigError, DataError, CheckpointError, TopologyError, EngineError, NumericsError)
+    return (ConfigError, DataError, CheckpointError, TopologyError, EngineError, NumericsError, RankZeroError)
 
 
 @contextlib.contextmanager
@@ -197,9 +199,7 @@ def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
 def build_training(cfg) -> Run:
     runtime = init_runtime(cfg)
     if cfg.data.build_demo_corpus:
-        if runtime.is_main:
-            ensure_demo_data_from_config(cfg)
-        runtime.barrier()
+        runtime.on_rank_zero("build the demo corpus", lambda: ensure_demo_data_from_config(cfg))
     tokenizer = build_tokenizer(cfg.tokenizer)
     cfg = derive_vocab(cfg, tokenizer.vocab_size)
     tcfg = cfg.training
@@ -208,7 +208,7 @@ def build_training(cfg) -> Run:
     # The tokenizer's own size, not the padded one: an id it cannot produce means other data.
     train_data, valid_data, _ = build_datasets(cfg, tokenizer.vocab_size,
                                                tcfg.train_iters * global_batch, num_valid,
-                                               barrier=runtime.barrier, build_on_this_rank=runtime.is_main)
+                                               share=runtime.on_rank_zero)
     trace = cfg.logging.memory_report_allocator and runtime.device.type == "cpu"  # validation: implies memory_report
     memory = PhasePeaks(runtime.device, trace_allocator=trace)  # the baseline: interpreter, imports, data indices
     with memory.phase("build"):

@@ -113,17 +113,31 @@ def test_cache_names_and_reuse(tmp_path):
            [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
 
 
-def test_barrier_protocol(tmp_path):
+def test_share_protocol(tmp_path, monkeypatch):
+    """The building rank hashes the sizes and writes the caches inside `share`; another rank is told
+    (prefix, epochs) and only memory-maps the files (it never hashes); a cache it cannot see is an error."""
+    import megatron.data.gpt_dataset as gpt_dataset
     indexed = unique_token_corpus(tmp_path)
-    calls = []
-    with pytest.raises(DataError, match="missing after the building rank's barrier"):
-        build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, barrier=lambda: calls.append("other"),
-                          build_on_this_rank=False)
-    built = build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, barrier=lambda: calls.append("builder"))
-    loaded = build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, barrier=lambda: calls.append("other"),
-                               build_on_this_rank=False)
-    assert calls == ["other", "builder", "other"]
-    assert torch.equal(built[3]["tokens"], loaded[3]["tokens"])
+    results = {}
+
+    def building_rank(what, fn):
+        results[what] = fn()
+        return results[what]
+
+    def other_rank(what, fn):
+        return results[what]
+
+    built = build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, share=building_rank)
+    assert list(results) == [f"build the train sample index of {indexed.prefix} (documents 0-10)"]
+    with monkeypatch.context() as patch:
+        patch.setattr(gpt_dataset, "cache_prefix", lambda *args, **kwargs: pytest.fail("hashed on a waiting rank"))
+        loaded = build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, share=other_rank)
+    assert torch.equal(built[3]["tokens"], loaded[3]["tokens"]) and len(built) == len(loaded)
+    for name in os.listdir(tmp_path):
+        if name.endswith(".npy"):
+            os.remove(tmp_path / name)
+    with pytest.raises(DataError, match="missing on this rank after the building rank wrote it"):
+        build_gpt_dataset("train", indexed, range(10), SEQ, 0, 20, share=other_rank)
 
 
 def test_empty_split_and_out_of_range_tokens_are_errors(tmp_path):

@@ -44,11 +44,16 @@ def test_throughput_by_hand_and_the_progress_line():
         "runtime/tokens_per_sec", "runtime/iteration_time", "runtime/flops_per_sec_per_gpu"}
 
 
-def _bench(tmp_path, rows: str, *extra: str) -> dict:
+def _gpu_throughput():
     spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "bench" / "gpu_throughput.py")
     gpu_throughput = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpu_throughput  # its dataclasses look their module up there
     spec.loader.exec_module(gpu_throughput)
+    return gpu_throughput
+
+
+def _bench(tmp_path, rows: str, *extra: str) -> dict:
+    gpu_throughput = _gpu_throughput()
     out = tmp_path / "rows.json"
     assert gpu_throughput.main(["--device", "cpu", "--shape", "tiny", "--precision", "fp32", "--rows", rows,
                                 "--steps", "3", "--warmup", "1", "--json", str(out), *extra]) == 0
@@ -65,6 +70,22 @@ def test_bench_our_step_trains_like_hugging_face(tmp_path, capsys):
     assert rows["ours"]["vs_hf"] > 0 and rows["hf"]["vs_hf"] == 1.0
     assert rows["ours"]["tflops"] > 0 and rows["ours"]["mfu"] is None  # no peak known for a CPU
     assert "| ours |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_bench_without_a_gpu_exits_77_in_one_line_naming_the_cpu_run(capsys):
+    assert _gpu_throughput().main([]) == 77
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sees no GPU" in err, err
+    assert "--device cpu --shape tiny --precision fp32" in err
+
+
+def test_bench_on_a_cpu_defaults_to_the_tiny_shape_in_fp32_and_the_eager_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    assert _gpu_throughput().main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (tuple(report["shape"]), report["precision"]) == ((2, 64, 4, 64, 2, 512), "fp32")
+    assert [r["row"] for r in report["rows"]] == ["ours", "ours_fused_ce", "hf"]
 
 
 @pytest.mark.slow

@@ -263,6 +263,12 @@ class LauncherConfig:
     account: Optional[str] = doc(None, "launcher=slurm: srun --account.")
     comment: Optional[str] = doc(None, "launcher=slurm: srun --comment.")
     distributed_backend: str = doc("auto", "auto (nccl on GPUs, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))
+    distributed_timeout_minutes: float = doc(
+        30, "How long a collective (and the rendezvous at start-up) may wait for a peer before the process group "
+        "gives up, in minutes (Megatron-LM's name; 30 is DeepSpeed's default). Work that rank 0 does alone "
+        "(the demo corpus, sample and blend indices, the data's digest) is not bounded by it: the other ranks "
+        "wait for it on the rendezvous store for up to 24 h (docs/launch.md). A fraction is allowed (0.1 = 6 s, for tests).",
+        gt=0.0)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Data pipeline: tokenizers, NeoX/Megatron mmap .bin/.idx datasets, GPT sample index, blending,
 the resumable loader and the embedded demo corpus.
 
-Nothing here imports ``torch.distributed``: ordering between ranks is the caller's ``barrier``
-callable (see :func:`build_datasets`). The names below are imported on first use, so the
+Nothing here imports ``torch.distributed``: work done once for all ranks (index caches, their
+digests, token-id checks) goes through the caller's ``share`` callable (see
+:data:`~megatron.data.gpt_dataset.Share` and :func:`build_datasets`). The names below are imported on first use, so the
 preprocessing tools and their worker processes do not pay for importing torch.
 """
 from importlib import import_module

@@ -5,7 +5,7 @@ greedy rule, argmax over d of ``w_d * max(i, 1) - taken_d`` (ties to the lower i
 unused sample of that dataset. The assignment is deterministic and prefix-stable (the first K
 entries do not depend on the blend's length), and every prefix stays within about one sample of
 each weight. It is a sequential loop (~0.5 s per million samples for three datasets), so the loader caches it
-(``.npz`` beside the data).
+(``.npz`` beside the data), built by one rank while the others wait for it (``share``).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megatron.data.errors import DataError
+from megatron.data.gpt_dataset import Share, run_here
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
@@ -54,16 +55,10 @@ def samples_per_dataset(weights: Sequence[float], size: int) -> List[int]:
     return np.bincount(dataset_index, minlength=len(weights)).tolist()
 
 
-def cached_blending_indices(weights: Sequence[float], size: int,
-                            cache_prefix: Optional[str]) -> Tuple[np.ndarray, np.ndarray]:
-    """:func:`build_blending_indices`, cached at ``<cache_prefix>_blend_<hash>.npz`` when a prefix is given."""
-    if cache_prefix is None:
-        return build_blending_indices(weights, size)
-    key = hashlib.blake2b(repr((normalize_weights(weights).tolist(), size)).encode(), digest_size=6).hexdigest()
-    path = f"{cache_prefix}_blend_{size}n_{key}.npz"
+def write_blending_indices(weights: Sequence[float], size: int, path: str) -> None:
+    """The building rank's part: :func:`build_blending_indices` saved at ``path`` unless already there."""
     if os.path.isfile(path):
-        with np.load(path, allow_pickle=False) as cached:
-            return cached["dataset_index"], cached["dataset_sample_index"]
+        return
     dataset_index, dataset_sample_index = build_blending_indices(weights, size)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -73,7 +68,22 @@ def cached_blending_indices(weights: Sequence[float], size: int,
         os.replace(tmp, path)
     except OSError as error:
         raise DataError(f"cannot write the blend cache {path} ({error.strerror}); pass a writable cache_dir") from error
-    return dataset_index, dataset_sample_index
+
+
+def cached_blending_indices(weights: Sequence[float], size: int, cache_prefix: Optional[str],
+                            share: Share = run_here) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`build_blending_indices`, cached at ``<cache_prefix>_blend_<hash>.npz`` when a prefix is
+    given: built by the rank ``share`` picks (see :data:`~megatron.data.gpt_dataset.Share`), read by all."""
+    if cache_prefix is None:
+        return build_blending_indices(weights, size)
+    key = hashlib.blake2b(repr((normalize_weights(weights).tolist(), size)).encode(), digest_size=6).hexdigest()
+    path = f"{cache_prefix}_blend_{size}n_{key}.npz"
+    share(f"build the blend index {path}", lambda: write_blending_indices(weights, size, path))
+    if not os.path.isfile(path):
+        raise DataError(f"blend cache {path} is missing on this rank after the building rank wrote it; "
+                        f"the cache folder must be shared, or build on each node's local rank 0")
+    with np.load(path, allow_pickle=False) as cached:
+        return cached["dataset_index"], cached["dataset_sample_index"]
 
 
 class BlendedDataset(torch.utils.data.Dataset):

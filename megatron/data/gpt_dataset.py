@@ -14,7 +14,9 @@ Built epoch by epoch so that asking for more samples never reorders earlier ones
 So sample order depends only on (documents, seed, seq_length); a run that needs more samples builds
 more epochs and its first K samples are those of a shorter run. The three arrays are cached as
 ``.npy`` beside the data (or in ``cache_dir``) under names encoding what changes them: data prefix,
-split name, seed, seq_length, epochs, document range and a hash of the documents' sizes.
+split name, seed, seq_length, epochs, document range and a hash of the documents' sizes. One rank
+hashes, builds and writes them (``share``: :func:`load_or_build_sample_index`); the others are told
+the name and memory-map the files, never reading the sizes.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -34,7 +36,12 @@ from megatron.logging.progress import Progress
 # Bumped when the index construction changes, so stale caches are never read.
 INDEX_MAP_VERSION = 1
 DOCUMENT_STREAM, SAMPLE_STREAM = 0, 1  # RNG purposes: separate streams per (seed, epoch)
-Barrier = Callable[[], None]
+T = TypeVar("T")
+# ``share(what, fn)``: ``fn()`` run by the building rank, its (small, picklable) result returned on
+# every rank; ``what`` names the work for errors ("build the train sample index of X"). The caller
+# picks the builder and how the others wait (megatron.runtime.Runtime.on_rank_zero: rank 0, the
+# others on the rendezvous store, outside the collective timeout). One process: :func:`run_here`.
+Share = Callable[[str, Callable[[], T]], T]
 Advance = Callable[[int], None]  # told how many index entries were just built (for progress)
 # Sample positions located per searchsorted call: bounds the memory of one call and lets the
 # progress bar move during a build of hundreds of millions of samples (the Pile at 2048 tokens).
@@ -72,6 +79,11 @@ def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
 
 def _no_progress(entries: int) -> None:
     pass
+
+
+def run_here(what: str, fn: Callable[[], T]) -> T:
+    """The :data:`Share` of a single process: ``fn()``."""
+    return fn()
 
 
 def build_doc_idx(documents: np.ndarray, num_epochs: int, seed: int, advance: Advance = _no_progress) -> np.ndarray:
@@ -160,16 +172,11 @@ def _save_atomically(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def load_or_build_sample_index(name: str, indexed: MMapIndexedDataset, documents: range, seq_length: int,
-                               seed: int, num_samples: int, cache_dir: Optional[str] = None,
-                               barrier: Optional[Barrier] = None, build_on_this_rank: bool = True) -> SampleIndex:
-    """The sample index covering ``num_samples`` samples, from the cache or built and cached.
-
-    Distributed protocol: ranks with ``build_on_this_rank`` (rank 0, or local rank 0 without a shared
-    file system) build what is missing, then every rank calls ``barrier()`` and loads the files.
-    ``barrier`` is None in a single process. Files are written to a temporary name and renamed, and
-    their content is a pure function of the name, so concurrent builders cannot corrupt them.
-    """
+def build_index_cache(name: str, indexed: MMapIndexedDataset, documents: range, seq_length: int, seed: int,
+                      num_samples: int, cache_dir: Optional[str] = None) -> tuple[str, int]:
+    """The building rank's part: the cache prefix (a digest of the documents' sizes) and epoch count
+    for ``num_samples`` samples, the three arrays built and written unless already cached.
+    -> (cache prefix, num_epochs), all another rank needs to load them without reading ``sizes``."""
     sizes = indexed.sizes
     docs = np.arange(documents.start, documents.stop, dtype=np.int64)
     tokens_per_epoch = int(sizes[docs].sum(dtype=np.int64))
@@ -179,24 +186,41 @@ def load_or_build_sample_index(name: str, indexed: MMapIndexedDataset, documents
     num_epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
     prefix = cache_prefix(indexed.prefix, name, documents, sizes, seq_length, seed, num_epochs, cache_dir)
     paths = _cache_paths(prefix)
-    if build_on_this_rank and not all(os.path.isfile(p) for p in paths.values()):
-        entries = index_entries(len(docs), samples_in_epochs(tokens_per_epoch, seq_length, num_epochs), num_epochs)
-        with Progress(f"building the {name} sample index ({num_epochs} epochs)", entries, "entries",
-                      delay_s=INDEX_PROGRESS_DELAY_S) as progress:
-            index = build_sample_index(sizes, docs, seq_length, seed, num_epochs, progress.update)
-        try:
-            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-            for part, path in paths.items():
-                _save_atomically(path, getattr(index, part))
-        except OSError as error:
-            raise DataError(f"cannot write the sample index cache {prefix}_*.npy ({error.strerror}); "
-                            f"make the data folder writable or pass a writable cache_dir") from error
-    if barrier is not None:
-        barrier()
+    if all(os.path.isfile(p) for p in paths.values()):
+        return prefix, num_epochs
+    entries = index_entries(len(docs), samples_in_epochs(tokens_per_epoch, seq_length, num_epochs), num_epochs)
+    with Progress(f"building the {name} sample index ({num_epochs} epochs)", entries, "entries",
+                  delay_s=INDEX_PROGRESS_DELAY_S) as progress:
+        index = build_sample_index(sizes, docs, seq_length, seed, num_epochs, progress.update)
+    try:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        for part, path in paths.items():
+            _save_atomically(path, getattr(index, part))
+    except OSError as error:
+        raise DataError(f"cannot write the sample index cache {prefix}_*.npy ({error.strerror}); "
+                        f"make the data folder writable or pass a writable cache_dir") from error
+    return prefix, num_epochs
+
+
+def load_or_build_sample_index(name: str, indexed: MMapIndexedDataset, documents: range, seq_length: int,
+                               seed: int, num_samples: int, cache_dir: Optional[str] = None,
+                               share: Share = run_here) -> SampleIndex:
+    """The sample index covering ``num_samples`` samples, from the cache or built and cached.
+
+    Distributed protocol: the building rank runs :func:`build_index_cache` inside ``share`` (hashing
+    the sizes, building what is missing); every rank gets its (prefix, epochs) and memory-maps the
+    files. Files are written to a temporary name and renamed, and their content is a pure function
+    of the name, so concurrent builders (one per node without a shared file system) cannot corrupt
+    them.
+    """
+    prefix, num_epochs = share(
+        f"build the {name} sample index of {indexed.prefix} (documents {documents.start}-{documents.stop})",
+        lambda: build_index_cache(name, indexed, documents, seq_length, seed, num_samples, cache_dir))
+    paths = _cache_paths(prefix)
     missing = [p for p in paths.values() if not os.path.isfile(p)]
     if missing:
-        raise DataError(f"sample index cache {missing[0]} is missing after the building rank's barrier; "
-                        f"the cache folder must be shared, or build on each node's local rank 0")
+        raise DataError(f"sample index cache {missing[0]} is missing on this rank after the building rank "
+                        f"wrote it; the cache folder must be shared, or build on each node's local rank 0")
     arrays = {part: np.load(path, mmap_mode="r", allow_pickle=False) for part, path in paths.items()}
     return SampleIndex(num_epochs=num_epochs, **arrays)
 
@@ -253,8 +277,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
 def build_gpt_dataset(name: str, indexed: MMapIndexedDataset, documents: range, seq_length: int, seed: int,
                       num_samples: int, vocab_size: Optional[int] = None, cache_dir: Optional[str] = None,
-                      barrier: Optional[Barrier] = None, build_on_this_rank: bool = True) -> GPTDataset:
+                      share: Share = run_here) -> GPTDataset:
     """A :class:`GPTDataset` of at least ``num_samples`` samples over ``documents`` of ``indexed``."""
-    index = load_or_build_sample_index(name, indexed, documents, seq_length, seed, num_samples,
-                                       cache_dir, barrier, build_on_this_rank)
+    index = load_or_build_sample_index(name, indexed, documents, seq_length, seed, num_samples, cache_dir, share)
     return GPTDataset(name, indexed, index, seq_length, vocab_size, documents)

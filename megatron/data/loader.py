@@ -20,7 +20,7 @@ import torch
 
 from megatron.data.blendable_dataset import BlendedDataset, cached_blending_indices, normalize_weights
 from megatron.data.errors import DataError
-from megatron.data.gpt_dataset import Barrier, GPTDataset, build_gpt_dataset
+from megatron.data.gpt_dataset import GPTDataset, Share, build_gpt_dataset, run_here
 from megatron.data.indexed_dataset import MMapIndexedDataset, check_token_range
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -86,23 +86,24 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
 
 
 class _DatasetOpener:
-    """Opens each data prefix once and checks its token ids against the vocabulary."""
+    """Opens each data prefix once; the building rank checks its token ids against the vocabulary."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, share: Share):
         self.vocab_size = vocab_size
+        self.share = share
         self._open: Dict[str, MMapIndexedDataset] = {}
 
     def __call__(self, prefix: str) -> MMapIndexedDataset:
         if prefix not in self._open:
             indexed = MMapIndexedDataset(prefix)
-            check_token_range(indexed, self.vocab_size)
+            self.share(f"check the token ids of {prefix}.bin", lambda: check_token_range(indexed, self.vocab_size))
             self._open[prefix] = indexed
         return self._open[prefix]
 
 
 def _blend(name: str, prefixes: Sequence[str], weights: Optional[Sequence[float]], num_samples: int,
            open_dataset: _DatasetOpener, seq_length: int, seed: int, cache_dir: Optional[str],
-           barrier: Optional[Barrier], build_on_this_rank: bool) -> Dataset:
+           share: Share) -> Dataset:
     if weights is None:
         weights = [1.0] * len(prefixes)
     if len(weights) != len(prefixes):
@@ -112,40 +113,38 @@ def _blend(name: str, prefixes: Sequence[str], weights: Optional[Sequence[float]
 
     def component(i: int, count: int) -> GPTDataset:
         return build_gpt_dataset(name, indexed[i], range(len(indexed[i])), seq_length, seed, count,
-                                 open_dataset.vocab_size, cache_dir, barrier, build_on_this_rank)
+                                 open_dataset.vocab_size, cache_dir, share)
 
     if len(prefixes) == 1:
         return component(0, num_samples)
     folder = cache_dir if cache_dir is not None else os.path.dirname(prefixes[0])
-    indices = cached_blending_indices(weights, num_samples, os.path.join(folder, name))
+    indices = cached_blending_indices(weights, num_samples, os.path.join(folder, name), share)
     counts = np.bincount(indices[0], minlength=len(prefixes))
     components = [component(i, max(int(count), 1)) for i, count in enumerate(counts)]
     return BlendedDataset(components, weights, num_samples, indices=indices)
 
 
 def build_datasets(cfg, tokenizer_vocab_size: int, num_train_samples: int, num_valid_samples: int,
-                   barrier: Optional[Barrier] = None, build_on_this_rank: bool = True,
-                   num_test_samples: Optional[int] = None,
+                   share: Share = run_here, num_test_samples: Optional[int] = None,
                    cache_dir: Optional[str] = None) -> Tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
     """(train, valid, test) datasets of at least the requested sizes; None where there is no data.
 
     ``tokenizer_vocab_size``: the tokenizer's own vocabulary (not the model's padded one); a token id
     at or above it is a :class:`DataError` naming the file: the data was made with another tokenizer.
     ``num_test_samples`` defaults to ``num_valid_samples``.
-    ``barrier`` / ``build_on_this_rank``: see
-    :func:`~megatron.data.gpt_dataset.load_or_build_sample_index` (rank 0 builds the index caches, then
-    all ranks meet at the barrier and read them). ``cache_dir``: where index caches go (default: beside
-    each data file). A train split without tokens is an error; empty valid/test splits give None.
+    ``share``: who does the work that needs doing once (see :data:`~megatron.data.gpt_dataset.Share`):
+    the token-id check, the split's token counts, the sample and blend index caches and their digests;
+    the other ranks get its results and read the caches. ``cache_dir``: where index caches go (default:
+    beside each data file). A train split without tokens is an error; empty valid/test splits give None.
     """
     data = cfg.data
     if data.data_impl != "mmap":
         raise DataError(f"data_impl {data.data_impl!r} is not supported; only 'mmap' (.bin/.idx)")
     seq_length, seed = cfg.model.seq_length, data.seed
-    open_dataset = _DatasetOpener(tokenizer_vocab_size)
+    open_dataset = _DatasetOpener(tokenizer_vocab_size, share)
     counts = {"train": num_train_samples, "valid": num_valid_samples,
               "test": num_valid_samples if num_test_samples is None else num_test_samples}
-    common = dict(seq_length=seq_length, seed=seed, cache_dir=cache_dir, barrier=barrier,
-                  build_on_this_rank=build_on_this_rank)
+    common = dict(seq_length=seq_length, seed=seed, cache_dir=cache_dir, share=share)
 
     if data.train_data_paths:
         paths = {"train": data.train_data_paths, "valid": data.valid_data_paths, "test": data.test_data_paths}
@@ -161,10 +160,12 @@ def build_datasets(cfg, tokenizer_vocab_size: int, num_train_samples: int, num_v
     if not data.data_path:
         raise DataError("no data: set data.data_path (a .bin/.idx prefix) or data.train_data_paths")
     indexed = open_dataset(data.data_path)
+    splits = split_document_ranges(data.split, len(indexed))
+    empty = share(f"count the tokens of each split of {data.data_path}",
+                  lambda: [int(indexed.sizes[d.start:d.stop].sum(dtype=np.int64)) == 0 for d in splits])
     datasets = []
-    for name, documents in zip(SPLIT_NAMES, split_document_ranges(data.split, len(indexed))):
-        empty = len(documents) == 0 or int(indexed.sizes[documents.start:documents.stop].sum(dtype=np.int64)) == 0
-        if counts[name] <= 0 or (empty and name != "train"):
+    for name, documents, no_tokens in zip(SPLIT_NAMES, splits, empty):
+        if counts[name] <= 0 or (no_tokens and name != "train"):
             datasets.append(None)
             continue
         datasets.append(build_gpt_dataset(name, indexed, documents, num_samples=counts[name],
