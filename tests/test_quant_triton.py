@@ -9,6 +9,7 @@ subprocesses, each with every other case, run at once.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -86,3 +87,88 @@ def test_the_benchmark_times_another_version_of_the_kernels(tmp_path):
         outputs[name] = [line.split() for line in done.stdout.splitlines() if line.startswith("baseline")]
     assert [row[3] for row in outputs["same"]] == ["quantize", "dequantize", "reduce_requant"]
     assert " ".join(outputs["broken"][0]) == "baseline 4 2048 quantize differs from the reference: not timed"
+
+
+# -- the reduce kernels over many chunks (K = 48: the cross-node hop of 48 Frontier nodes; 384: a
+#    quantized hop over their whole world). K = 48 is the self-check case `many_chunks`, above.
+
+def _constexpr_params(kernel) -> list[str]:
+    """The kernel's tl.constexpr parameters, from its Python signature (compiled or interpreted)."""
+    return [name for name, param in inspect.signature(kernel.fn).parameters.items()
+            if "constexpr" in str(param.annotation)]
+
+
+@pytest.mark.parametrize("name", ["_reduce8_kernel", "_reduce4_kernel"])
+def test_reduce_kernels_loop_over_the_chunks_at_run_time(name):
+    """K is a runtime argument, so one compiled kernel serves every K and its code does not grow
+    with K; unrolled over a compile-time K they took 117 s (INT8) and 339 s (INT4) to compile for an
+    MI250X at K = 384. Only the runtime loop's unroll factor is a compile-time constant."""
+    from megatron.ops.quant import triton_kernels
+    kernel = getattr(triton_kernels, name)
+    assert "K" in kernel.arg_names and "K" not in _constexpr_params(kernel)
+    assert "UNROLL_LOG2" in _constexpr_params(kernel) and 0 <= triton_kernels.REDUCE_UNROLL_LOG2 <= 4
+    assert "static_range(K)" not in inspect.getsource(kernel.fn)
+
+
+# Compiles the reduce kernels for an MI250X, K a runtime i32, at the default block; prints the code
+# objects' sizes. No GPU needed.
+_COMPILE_FOR_GFX90A = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megatron.ops.quant import DEFAULT_BLOCK, qmax
+from megatron.ops.quant import triton_kernels as tk
+
+sizes = {}
+for bits, kernel, span in ((8, tk._reduce8_kernel, "SPAN"), (4, tk._reduce4_kernel, "HALF_SPAN")):
+    codes = "*i8" if bits == 8 else "*u8"
+    for requantize in (True, False):
+        constants = {"QMAX": float(qmax(bits)), span: tk._span(bits, DEFAULT_BLOCK),
+                     "REQUANTIZE": requantize, "HAS_RESIDUAL": requantize,
+                     "UNROLL_LOG2": tk.REDUCE_UNROLL_LOG2}
+        types = iter([codes, "*fp32", codes, "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"])
+        signature = {name: "constexpr" if name in constants else next(types) for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, signature, constants),
+                                  target=GPUTarget("hip", "gfx90a", 64), options={"enable_fp_fusion": False})
+        sizes[f"int{bits}/requantize={requantize}"] = len(compiled.asm["hsaco"])
+print(json.dumps(sizes))
+"""
+
+
+def test_reduce_kernels_compile_for_frontier_without_a_gpu(tmp_path):
+    """The reduce kernels compile for an MI250X (gfx90a, Frontier's GCD) with K a runtime argument, on
+    a machine without a GPU (a few seconds: a compile error would otherwise first show in the first
+    backward on Frontier)."""
+    if importlib.util.find_spec("triton.backends.amd") is None:
+        pytest.skip("this triton has no AMD backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _COMPILE_FOR_GFX90A], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(sizes) == ["int4/requantize=False", "int4/requantize=True", "int8/requantize=False",
+                             "int8/requantize=True"]
+    assert all(size > 0 for size in sizes.values())
+
+
+@pytest.mark.slow
+def test_reduce_kernels_bit_exact_at_384_chunks():
+    """K = 384, and 13 (an unrolled iteration of 8, then the groups of 4 and 1 left), against the
+    reference bit for bit: the self-check's many_chunks case with more chunks, its kernels only
+    (quantize, dequantize, the reductions with and without requantize and residual). ~15 s in the
+    interpreter."""
+    code = ("import dataclasses, json, torch\n"
+            "from megatron.ops.quant import get_quantizer\n"
+            "from megatron.ops.quant.selfcheck import CASES, check_kernels\n"
+            "case = next(c for c in CASES if c.name == 'many_chunks')\n"
+            "quantizer = get_quantizer('triton', 'cpu')\n"
+            "print(json.dumps({f'{k}/int{bits}': check_kernels(quantizer, dataclasses.replace(case, chunks=k), bits,"
+            " torch.device('cpu')) for k in (13, 384) for bits in (8, 4)}))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "13/int8": [], "13/int4": [], "384/int8": [], "384/int4": []}

@@ -11,17 +11,23 @@ fp32/bf16/fp16, and the fused reduce_requantize and dequantize_sum over k chunks
 that NaN, +inf and -inf are refused, or, unchecked (``check_finite=False``, the engine's hot path),
 carried: the bad block decodes to non-finite values only, the other blocks exactly as the
 reference's, through quantize and through reduce_requantize.
+
+`startup_check(impl, device, block)` is the short form for a run about to train: quantize, dequantize
+and the fused reductions (3 and 48 chunks) of the kernels the run will use, at its block, on its
+device; None, or one line that names what failed and the `zero_optimization.quantization_impl`
+values that select other kernels.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .base import INPUT_DTYPES, QuantizationError, Quantizer, padded_numel, qmax
+from .base import DEFAULT_BLOCK, INPUT_DTYPES, QuantizationError, Quantizer, padded_numel, qmax
 from .reference import ReferenceQuantizer
+from .select import get_quantizer
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ CASES: tuple[Case, ...] = (
     Case("subnormal", 16, _subnormal),
     Case("block_2", 2, _random(torch.float32, 64), chunks=4),
     Case("block_4096", 4096, _random(torch.float32, 8192), chunks=2),
+    # a reduction over 48 chunks (the cross-node hop of 48 Frontier nodes): the Triton kernels' runtime
+    # loop over the chunks, several of its unrolled iterations; 2 blocks keep the interpreter fast
+    Case("many_chunks", 2, _random(torch.float32, 4), chunks=48),
 )
 
 
@@ -159,15 +168,19 @@ def _carries_non_finite(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor],
     return None
 
 
-def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device) -> list[str]:
-    """All mismatches of `quantizer` against the reference on one case (empty: bit-exact)."""
-    reference = ReferenceQuantizer()
+def _inputs(case: Case, bits: int, device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """The case's input x and its `chunks` inputs of the fused reduction, on `device`."""
     gen = torch.Generator().manual_seed(1234 + bits)
     x = case.make(bits, gen)
     # alternating signs: partial sums cancel instead of overflowing in the dynamic-range case
     k_inputs = [case.make(bits, gen).to(torch.float32) * (-1) ** j for j in range(case.chunks)]
-    x, k_inputs = x.to(device), [t.to(device) for t in k_inputs]
-    block = case.block
+    return x.to(device), [t.to(device) for t in k_inputs]
+
+
+def _kernel_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], bits: int,
+                       block: int) -> list[Optional[str]]:
+    """quantize, dequantize to each dtype, and the fused reductions over len(k_inputs) chunks."""
+    reference = ReferenceQuantizer()
     problems: list[Optional[str]] = []
 
     codes, scales = quantizer.quantize(x, bits, block)
@@ -183,7 +196,7 @@ def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device
     encoded = [reference.quantize(t, bits, block) for t in k_inputs]
     codes_k = torch.cat([c for c, _ in encoded])
     scales_k = torch.cat([s for _, s in encoded])
-    k = case.chunks
+    k = len(k_inputs)
     got = quantizer.reduce_requantize(codes_k, scales_k, k, bits, block)
     want = reference.reduce_requantize(codes_k, scales_k, k, bits, block)
     problems.append(_bitwise_mismatch("reduce_requantize codes", got[0], want[0]))
@@ -202,11 +215,28 @@ def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device
     problems.append(_bitwise_mismatch(
         "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
         reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
+    return problems
+
+
+def check_kernels(quantizer: Quantizer, case: Case, bits: int, device: torch.device) -> list[str]:
+    """The mismatches of quantize, dequantize and the fused reductions alone on one case (empty:
+    bit-exact): `check_case` without the NaN/inf and rotation checks. For the start-up check, and
+    for reductions over so many chunks that the whole case would cost the Triton interpreter minutes."""
+    x, k_inputs = _inputs(case, bits, device)
+    return [p for p in _kernel_mismatches(quantizer, x, k_inputs, bits, case.block) if p is not None]
+
+
+def check_case(quantizer: Quantizer, case: Case, bits: int, device: torch.device) -> list[str]:
+    """All mismatches of `quantizer` against the reference on one case (empty: bit-exact)."""
+    x, k_inputs = _inputs(case, bits, device)
+    block = case.block
+    problems = _kernel_mismatches(quantizer, x, k_inputs, bits, block)
     problems.append(_refuses_non_finite(quantizer, x, bits, block))
     problems.append(_carries_non_finite(quantizer, x, k_inputs, bits, block))
     if block & (block - 1) == 0:  # the Hadamard rotation of gradient blocks (power-of-two blocks only)
         xf = x.to(torch.float32)
-        problems.append(_bitwise_mismatch("rotate", quantizer.rotate(xf, block), reference.rotate(xf, block)))
+        problems.append(_bitwise_mismatch("rotate", quantizer.rotate(xf, block),
+                                          ReferenceQuantizer().rotate(xf, block)))
     return [p for p in problems if p is not None]
 
 
@@ -223,3 +253,52 @@ def check_all(quantizer: Quantizer, device: torch.device,
             except Exception as exc:  # report, do not stop: one broken case should not hide others
                 results[f"{case.name}/int{bits}"] = [f"raised {type(exc).__name__}: {exc}"]
     return results
+
+
+def startup_check(impl: str, device: Union[str, torch.device],
+                  block: int = DEFAULT_BLOCK) -> Optional[str]:
+    """Check, before training, the kernels a run will use: None when they agree with the reference.
+
+    Runs `check_kernels` (quantize, dequantize, and the fused reductions with and without a residual)
+    of `get_quantizer(impl, device)` on two small random cases at the run's `block`, INT8 and INT4
+    (INT8 only for an odd block): 3 chunks, and 48 (the cross-node hop of 48 Frontier nodes). On a
+    GPU this also compiles the Triton kernels at the run's block, so a compile failure shows here
+    rather than inside the first backward. Returns one line naming the implementation, the first
+    case that failed and why (a mismatch, or the exception's type and the first line of its
+    message), and the `zero_optimization.quantization_impl` values that select other kernels.
+    Prints nothing and raises nothing.
+    """
+    cases = (Case("bf16_3_chunks", block, _random(torch.bfloat16, 4 * block), chunks=3),
+             Case("fp32_48_chunks", block, _random(torch.float32, 2 * block), chunks=48))
+    try:
+        device = torch.device(device)
+        quantizer = get_quantizer(impl, device)
+    except Exception as exc:  # an unknown impl or device, or kernels that cannot run on this device
+        return _startup_failure(impl, impl, device, f"choosing the kernels raised {_one_line(exc)}")
+    for case in cases:
+        for bits in (8, 4) if block % 2 == 0 else (8,):
+            try:
+                problems = check_kernels(quantizer, case, bits, device)
+            except Exception as exc:  # a compile error, a missing driver: the run would die the same way
+                return _startup_failure(impl, quantizer.name, device,
+                                        f"{case.name}/int{bits} raised {_one_line(exc)}")
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                return _startup_failure(impl, quantizer.name, device,
+                                        f"{case.name}/int{bits}: {problems[0]}{more}")
+    return None
+
+
+def _one_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _startup_failure(impl: str, name: str, device: Union[str, torch.device], what: str) -> str:
+    shown = repr(impl) if name == impl else f"{impl!r} ({name})"
+    # what runs on this kind of device (triton on a CPU only under the interpreter, for tests)
+    runs_here = ("reference", "cpp") if str(device).startswith("cpu") else ("reference", "triton")
+    others = [other for other in runs_here if other != name]
+    return (f"quantization kernels {shown} on {device} failed their start-up check against the torch "
+            f"reference: {what}; set zero_optimization.quantization_impl to {' or '.join(others)} "
+            f"to use other kernels")

@@ -24,6 +24,11 @@ from .base import Quantizer, QuantizationError, codes_dtype, qmax, rotation_scal
 
 ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
+# log2 of the chunks the reduce kernels' runtime loop over K adds per iteration (their loads in flight
+# at once): 8 takes a node's GPUs (8 GCDs on Frontier, 8 GPUs on an H100/H200 node) in one iteration,
+# as the loop unrolled over all K did. The code size is bounded by it, not by K.
+REDUCE_UNROLL_LOG2 = 3
+
 
 @triton.jit
 def _block_scale(abs_bits, QMAX: tl.constexpr):
@@ -131,25 +136,47 @@ def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.con
 
 
 @triton.jit
+def _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask, N: tl.constexpr):
+    """acc plus INT8 chunks first .. first + N - 1 of block b, one chunk at a time in chunk order;
+    unrolled, so the N chunks' loads are in flight at once."""
+    for u in tl.static_range(N):
+        chunk_block = (first + u) * n_blocks + b
+        scale_j = tl.load(scales_ptr + chunk_block)
+        codes = tl.load(codes_ptr + chunk_block * block + offs, mask=mask, other=0)
+        acc = acc + codes.to(tl.float32) * scale_j
+    return acc
+
+
+@triton.jit(do_not_specialize=["K"])
 def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    n_blocks, block, K: tl.constexpr, QMAX: tl.constexpr, SPAN: tl.constexpr,
-                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Sum the K INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum. K is a
-    compile-time constant (one compiled kernel per group size): the loop unrolls, so the chunks'
-    loads are issued together instead of one round trip to memory per chunk (a runtime loop
-    serialised them: 133 GB/s at K = 8 on an H200).
+                    n_blocks, block, K, QMAX: tl.constexpr, SPAN: tl.constexpr,
+                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr):
+    """Sum the K INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum.
+
+    K is a runtime argument, not specialised on: one compiled kernel serves every group size. A loop
+    unrolled over a compile-time K grew with K and took 117 s to compile for an MI250X (gfx90a, on
+    a 2-core VM) at K = 384, a quantized hop over 48 Frontier nodes, inside the first backward.
+    The runtime loop adds 2^UNROLL_LOG2 chunks per iteration, unrolled, so their loads are in
+    flight at once (one chunk per iteration serialised them: 133 GB/s at K = 8 on an H200); the
+    K mod 2^UNROLL_LOG2 chunks left follow in groups of halving size, each taken or skipped whole.
+    Every chunk is added on its own, in chunk order, exactly as in the reference.
 
     With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
     """
+    UNROLL: tl.constexpr = 1 << UNROLL_LOG2
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPAN)
     mask = offs < block
     acc = tl.zeros([SPAN], dtype=tl.float32)
-    for j in tl.static_range(K):  # unrolled: the K loads are all in flight at once
-        chunk_block = j * n_blocks + b
-        scale_j = tl.load(scales_ptr + chunk_block)
-        codes = tl.load(codes_ptr + chunk_block * block + offs, mask=mask, other=0)
-        acc = acc + codes.to(tl.float32) * scale_j
+    whole = K - K % UNROLL
+    for first in range(0, whole, UNROLL):
+        acc = _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask, UNROLL)
+    first = whole
+    for halving in tl.static_range(1, UNROLL_LOG2 + 1):  # the rest: UNROLL / 2, UNROLL / 4, ..., 1
+        if K - first >= UNROLL >> halving:
+            acc = _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask,
+                               UNROLL >> halving)
+            first += UNROLL >> halving
     if REQUANTIZE:
         if HAS_RESIDUAL:
             acc = acc + tl.load(res_ptr + b * block + offs, mask=mask, other=0.0)
@@ -164,26 +191,44 @@ def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
 
 
 @triton.jit
+def _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks, block, pairs, mask,
+                 N: tl.constexpr):
+    """_add_chunks8 for packed INT4 chunks, their even and odd elements summed apart."""
+    for u in tl.static_range(N):
+        chunk_block = (first + u) * n_blocks + b
+        scale_j = tl.load(scales_ptr + chunk_block)
+        byte = tl.load(codes_ptr + chunk_block * (block // 2) + pairs, mask=mask, other=0).to(tl.int32)
+        acc_lo = acc_lo + _nibble(byte & 0xF).to(tl.float32) * scale_j
+        acc_hi = acc_hi + _nibble(byte >> 4).to(tl.float32) * scale_j
+    return acc_lo, acc_hi
+
+
+@triton.jit(do_not_specialize=["K"])
 def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    n_blocks, block, K: tl.constexpr, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
-                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Sum the K packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store (K: as
-    _reduce8_kernel).
+                    n_blocks, block, K, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
+                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr):
+    """Sum the K packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store (the
+    loop over K: as _reduce8_kernel's; unrolled over a compile-time K, this one took 339 s to
+    compile at K = 384).
 
     With HAS_RESIDUAL (requantize only): quantize sum + residual and store the loss as residual.
     """
+    UNROLL: tl.constexpr = 1 << UNROLL_LOG2
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HALF_SPAN)
     mask = pairs < block // 2
     acc_lo = tl.zeros([HALF_SPAN], dtype=tl.float32)
     acc_hi = tl.zeros([HALF_SPAN], dtype=tl.float32)
-    for j in tl.static_range(K):  # unrolled: the K loads are all in flight at once
-        chunk_block = j * n_blocks + b
-        scale_j = tl.load(scales_ptr + chunk_block)
-        byte = tl.load(codes_ptr + chunk_block * (block // 2) + pairs, mask=mask,
-                       other=0).to(tl.int32)
-        acc_lo = acc_lo + _nibble(byte & 0xF).to(tl.float32) * scale_j
-        acc_hi = acc_hi + _nibble(byte >> 4).to(tl.float32) * scale_j
+    whole = K - K % UNROLL
+    for first in range(0, whole, UNROLL):
+        acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks, block,
+                                      pairs, mask, UNROLL)
+    first = whole
+    for halving in tl.static_range(1, UNROLL_LOG2 + 1):  # the rest: UNROLL / 2, UNROLL / 4, ..., 1
+        if K - first >= UNROLL >> halving:
+            acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks,
+                                          block, pairs, mask, UNROLL >> halving)
+            first += UNROLL >> halving
     offs = tl.arange(0, 2 * HALF_SPAN)
     full_mask = offs < block
     if REQUANTIZE:
@@ -283,7 +328,7 @@ class TritonQuantizer(Quantizer):
             res = residual if residual is not None else scales  # unused without a residual
             kernel[(n_blocks,)](codes_k, scales_k, codes, scales, total, res, n_blocks, block, k,
                                 float(qmax(bits)), _span(bits, block), requantize,
-                                residual is not None, enable_fp_fusion=False)
+                                residual is not None, REDUCE_UNROLL_LOG2, enable_fp_fusion=False)
         return codes, scales, total
 
     def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
