@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,7 @@ from megatron.config import ConfigError, pad_vocab_size
 from megatron.data import DataError, build_datasets, build_tokenizer
 from megatron.data.demo_corpus import ensure_demo_data_from_config, unigram_entropy
 from megatron.engine import SingleProcessEngine, training_loss_of
-from megatron.engine.flat_unit import build_slots
+from megatron.engine.flat_unit import bits_checksum, build_slots
 from megatron.loss_scale import LossScaleSettings
 from megatron.logging.memory import PhasePeaks
 from megatron.logging.metrics import log_print
@@ -137,7 +138,7 @@ def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
             for name, param in named:
                 param.copy_(hf.tensor(name))
             return None
-        drawn = _init_checksum(param for _name, param in named)
+        drawn = bits_checksum([param for _name, param in named])
         names_by_id = {id(param): name for name, param in named}  # to_empty made new parameters
         for slot in build_slots(unit, names_by_id):  # where each parameter sits in the flat buffer
             flat = getattr(slot.module, slot.attr).view(-1)
@@ -160,18 +161,6 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _init_checksum(params, piece: int = 1 << 22) -> tuple[float, float]:
-    """(sum, sum of |x|) in float64 of the init draws, a piece at a time (no float64 copy of a
-    whole embedding): equal on ranks seeded alike."""
-    total = absolute = 0.0
-    for param in params:
-        for chunk in param.detach().reshape(-1).split(piece):
-            wide = chunk.double()
-            total += float(wide.sum())
-            absolute += float(wide.abs().sum())
-    return total, absolute
-
-
 def compile_blocks(model: GPTNeoX) -> None:
     """training.compile: each transformer block's ``forward`` compiled by torch.compile. Module hooks
     run in ``__call__``, outside ``forward``, so the engine's gathers, releases and gradient hooks
@@ -181,16 +170,24 @@ def compile_blocks(model: GPTNeoX) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def build_engine(cfg, model: torch.nn.Module, runtime: Runtime):
-    """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise."""
+def build_engine(cfg, model: torch.nn.Module, runtime: Runtime, groups=None,
+                 on_unit: Callable[[int], None] | None = None):
+    """The single-process engine on one rank; the ZeRO-topo engine over the layout otherwise.
+    ``groups``: the process groups, already built (else the engine builds them); ``on_unit(i)``:
+    called as unit i starts being made real (the rehearsal times each unit's build)."""
     loss_fn = training_loss_of(cfg.training.fused_cross_entropy)
     if not runtime.distributed:
         return SingleProcessEngine(model, loss_fn, cfg.optimizer, cfg.precision.precision,
                            cfg.training.gradient_accumulation_steps, runtime.device,
                            loss_scaling=LossScaleSettings.from_config(cfg.precision))
     from megatron.engine.setup import engine_from_config
+    materialize = unit_materializer(model, cfg.checkpoint.load_hf)
+    if on_unit is not None:
+        def materialize(index, unit, keep, inner=materialize):
+            on_unit(index)
+            return inner(index, unit, keep)
     engine = engine_from_config(cfg, model, loss_fn, runtime.world_size, device=runtime.device,
-                                materialize=unit_materializer(model, cfg.checkpoint.load_hf))
+                                materialize=materialize, groups=groups)
     model.to_empty(device=runtime.device)  # what is left outside the units: the rotary tables
     model.init_buffers()
     return engine

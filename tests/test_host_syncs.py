@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from megatron.logging.host_syncs import HostSyncs
+from megatron.rehearsal.meta_device import answers_reads
 
 
 def test_each_kind_on_the_meta_device():
-    with HostSyncs(stand_in=True) as syncs:
+    with answers_reads(), HostSyncs() as syncs:
         x = torch.ones(4, device="meta")
-        assert float(x.sum()) == 0.0  # a read, answered by the stand-in
+        assert float(x.sum()) == 0.0  # a read, answered by the meta kernel standing in
         assert torch.equal(x, x)  # a read
         assert x.tolist() == [0.0, 0.0, 0.0, 0.0]  # device -> host
         assert x.cpu().sum().item() == 0.0  # device -> host (the CPU .item() is a read of the host's own)

@@ -107,10 +107,10 @@ def test_peak_model_by_hand():
     from megatron.config.quant_spec import QuantSpec
     peaks = predict_peak_bytes(CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2))
     # states: weights 680/2 x 2 = 680, accumulator 680/4 x 4 = 680, master 85 x 4 = 340, moments 680
-    # build: the 240-unit's fp32 parameters and fp32 staging on the host (P x 4 + S x 4), its bf16
-    # flat buffer on the device (S x 2), released at once (w = 2)
-    assert peaks["build"] == {"states": 2380, "unit being built (host)": 240 * 4 + 240 * 4,
-                              "unit being built (device)": 240 * 2, "total": 4780}
+    # build: the 240-unit's fp32 parameters on the host (P x 4), its bf16 flat buffer on the device
+    # (S x 2), released at once (w = 2); the shards are copied from the parameters (no staging)
+    assert peaks["build"] == {"states": 2380, "unit being built (host)": 240 * 4,
+                              "unit being built (device)": 240 * 2, "total": 3820}
     assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
                              "reduction output": 120 * 2, "activations": 0, "total": 4060}
     # overlap_comm, 2 pieces in flight of at most 64 elements: each its bf16 input and first-hop output

@@ -106,3 +106,37 @@ def test_kernels_that_cannot_run_on_the_device_are_one_line():
 def test_an_odd_block_checks_int8_only():
     """An odd quantization_block_size is valid for INT8-only runs; INT4 would refuse it."""
     assert startup_check("reference", torch.device("cpu"), block=33) is None
+
+
+def _engine_start(rank: int, world_size: int) -> str:
+    """engine setup's check on 2 ranks of one node: the node's first rank checks kernels that fail to
+    compile (patched in, on this rank only); both ranks stop with one line."""
+    def fails_to_compile(*args, **kwargs):
+        raise RuntimeError("compilation failed for gfx90a\nstack trace ...")
+    selfcheck.check_kernels = fails_to_compile
+    from megatron.config.quant_spec import QuantSpec
+    from megatron.engine.comm import Communicator
+    from megatron.engine.flat_unit import EngineError
+    from megatron.engine.settings import EngineSettings
+    from megatron.engine.setup import check_kernels_per_node
+    from megatron.topology import ProcessGroups, ShardFactors, Topology
+    from megatron.topology.layout import ShardLayout
+    topology = Topology.simulated([1, 2])
+    groups = ProcessGroups.build(topology, ShardLayout.from_topology(topology, ShardFactors(2, 2, 2)))
+    comm = Communicator(groups)
+    settings = EngineSettings(quant=QuantSpec(weight_gather_bits=8, impl="reference"))
+    try:
+        check_kernels_per_node(settings, groups, comm, torch.device("cpu"))
+    except EngineError as err:
+        return str(err)
+    return "passed"
+
+
+def test_the_engine_checks_once_per_node_and_every_rank_stops(tmp_path):
+    from dist_harness import run_ranks
+    first, other = run_ranks("test_quant_startup_check:_engine_start", 2, tmp_path)
+    assert first.startswith("quantization kernels 'reference' on cpu failed their start-up check") and \
+        "raised RuntimeError: compilation failed for gfx90a;" in first and \
+        "zero_optimization.quantization_impl" in first, first
+    assert other.startswith("the quantization kernels failed their start-up check on 1 node(s)") and \
+        "zero_optimization.quantization_impl" in other, other

@@ -97,13 +97,12 @@ def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) 
 
     - build: the model states, plus the largest unit being made real, in two terms because they
       live in different memories on a GPU: "unit being built (host)", its parameters in fp32
-      (P x 4, initialised or read on the CPU: build.unit_materializer) and the FlatUnit's fp32
-      staging buffer (S x 4), assembled where the parameters are; and "unit being built (device)",
-      the flat buffer in the compute dtype (S x c), allocated on the engine's device and released
-      at once when the unit is sharded (w > 1; with w = 1 it is the weights themselves, a state).
-      Only this rank's weight chunk and optimizer slice are copied to the device (states). On a
-      CPU run both terms are host memory. The unit is the one with the largest sum (the same unit
-      for both terms, so the total is one unit's).
+      (P x 4, initialised or read on the CPU: build.unit_materializer), from which only this
+      rank's weight chunk and optimizer slice are copied to the device (states, no staging buffer);
+      and "unit being built (device)", the flat buffer in the compute dtype (S x c), allocated on
+      the engine's device and released at once when the unit is sharded (w > 1; with w = 1 it is
+      the weights themselves, a state). On a CPU run both terms are host memory. The unit is the
+      one with the largest sum (the same unit for both terms, so the total is one unit's).
       With error feedback the states include the residuals, which the engine allocates after the
       last unit is built: the real build peak is the larger of (states without them + one unit)
       and all the states, so this over-predicts the build by up to the residuals (docs/memory.md).
@@ -137,11 +136,11 @@ def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) 
     sharded = w > 1
     # a piece element: fp32 master and moments, and with weight deltas the weights held (dtype c)
     piece_bytes = 3 * FP32_BYTES + (c if spec.quant.weight_delta_bits else 0)
-    built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + ps[1] * (FP32_BYTES + (c if sharded else 0)))
+    built_p, built_s = max(zip(spec.unit_numels, sizes), key=lambda ps: ps[0] * FP32_BYTES + (ps[1] * c if sharded else 0))
     in_step = {"states": states, "gathered units": (2 * largest * c) if sharded else 0}
     reductions = _reduction_terms(spec, largest)
     terms = {
-        "build": {"states": between_steps, "unit being built (host)": (built_p + built_s) * FP32_BYTES,
+        "build": {"states": between_steps, "unit being built (host)": built_p * FP32_BYTES,
                   "unit being built (device)": built_s * c if sharded else 0},
         "step": _larger({**in_step, **reductions, "activations": in_backward},
                         {**in_step, **dict.fromkeys(reductions, 0), "activations": at_start}),

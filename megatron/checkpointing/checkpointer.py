@@ -35,12 +35,16 @@ from megatron.checkpointing.rank_files import (CheckpointError, fsync_path, rank
 
 class Checkpointer:
     def __init__(self, save_dir: str, *, rank: int, world_size: int,
-                 barrier: Callable[[], None], keep_last_n: int | None = None):
+                 barrier: Callable[[], None], keep_last_n: int | None = None, commits: bool | None = None):
+        """``commits``: this process does rank 0's part (the step folder, index.json, the commit,
+        pruning); default: rank 0 does. A rehearsal playing one rank of a world whose other ranks are
+        absent (tools/rehearse.py) does it for its absent rank 0."""
         self.save_dir = Path(save_dir)
         self.rank = rank
         self.world_size = world_size
         self.barrier = barrier
         self.keep_last_n = keep_last_n
+        self.commits = rank == 0 if commits is None else commits
 
     def ensure_writable(self) -> None:
         """Fail before training, not after hours of it, when the folder cannot be written."""
@@ -64,7 +68,7 @@ class Checkpointer:
         """
         final = self.save_dir / step_name(iteration)
         partial = self.save_dir / f".{final.name}.partial"
-        if self.rank == 0:
+        if self.commits:
             self.ensure_writable()
             try:
                 if partial.exists():
@@ -82,7 +86,7 @@ class Checkpointer:
         if gather is not None:
             from megatron.checkpointing.index import index_entry
             entries = gather(index_entry(rank_state))
-        if self.rank == 0:
+        if self.commits:
             try:
                 self._commit(iteration, partial, final, rank_state, entries, meta)
             except OSError as err:
@@ -114,7 +118,7 @@ class Checkpointer:
     def _write_failed(self, final: Path, partial: Path, err: OSError, what: str | None = None) -> CheckpointError:
         """The one-line error for a save that did not happen; rank 0 removes its half-written folder
         (on a full disk that is the space the next attempt needs)."""
-        if self.rank == 0:
+        if self.commits:
             shutil.rmtree(partial, ignore_errors=True)
         pointer = self.save_dir / "latest"
         latest = pointer.read_text().strip() if pointer.is_file() else None

@@ -53,6 +53,8 @@ class Communicator:
         self.device = torch.device(device)  # where small control buffers live (cuda under NCCL)
         self.rules = NcclRules(self.device) if (strict_from_env() if strict is None else strict) else None
         self.ring_reduce_scatter = ring_reduce_scatter
+        # collectives issued, by (op, group kind): what the comm model's step_collectives counts
+        self.issued: dict[tuple[str, str], int] = {}
         self._wirings: dict[tuple[int, ...], _Wiring] = {}
 
     # -- charging -----------------------------------------------------------------------------------
@@ -76,6 +78,10 @@ class Communicator:
         for tier, sent in charges.items():
             self.ledger.record(phase, tier, sent)
         return charges
+
+    def _issue(self, op: str, group: RankGroup) -> None:
+        key = (op, group.kind)
+        self.issued[key] = self.issued.get(key, 0) + 1
 
     def wiring(self, group: RankGroup) -> "_Wiring":
         """How this rank is wired into ``group`` (tiers, next member, peers per tier): worked out once
@@ -121,6 +127,7 @@ class Communicator:
             return {}, Pending(None)
         if self.rules:
             self.rules.tensors("all_gather", out, inp)
+        self._issue("all_gather", group)
         charges = self.charge("all_gather", _nbytes(out), group, phase)
         return charges, Pending(compat.all_gather_tensor(out, inp, group=group.handle, async_op=True), inp, out)
 
@@ -144,6 +151,7 @@ class Communicator:
         if self.rules:
             self.rules.tensors("reduce_scatter", out, inp)
             self.rules.reduce_scatter_path("nccl" if backend == "nccl" else "all_to_all_sum" if exchange else "ring")
+        self._issue("reduce_scatter", group)
         if exchange:
             return self._start_exchange_reduce_scatter(out, inp, group, phase)
         charges = self.charge("reduce_scatter", _nbytes(inp), group, phase)
@@ -202,6 +210,7 @@ class Communicator:
         if self.rules:
             self.rules.tensors("all_to_all", out, inp)
             self.rules.all_to_all(out, inp, group.size)
+        self._issue("all_to_all", group)
         charges = self.charge("all_to_all", _nbytes(inp), group, phase)
         return charges, Pending(dist.all_to_all_single(out, inp, group=group.handle, async_op=True), inp, out)
 
@@ -210,6 +219,7 @@ class Communicator:
         if group.size > 1:
             if self.rules:
                 self.rules.tensors("all_reduce", buf)
+            self._issue("all_reduce", group)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group.handle)
 
     def world_sum(self, values: list, with_ledger: bool = False) -> tuple[list[float], dict[tuple[str, str], int]]:
@@ -261,12 +271,14 @@ class Communicator:
         self.charge("broadcast", _nbytes(length), group, phase)
         if self.rules:
             self.rules.tensors("broadcast", length)
+        self._issue("broadcast", group)
         dist.broadcast(length, root, group=group.handle)
         words = max(-(-int(length.item()) // 8), 1)
         buf = _words_of(raw, words).to(self.device)
         self.charge("broadcast", _nbytes(buf), group, phase)
         if self.rules:
             self.rules.tensors("broadcast", buf)
+        self._issue("broadcast", group)
         dist.broadcast(buf, root, group=group.handle)
         return pickle.loads(buf.cpu().view(torch.uint8)[:int(length.item())].numpy().tobytes())
 
@@ -276,6 +288,7 @@ class Communicator:
             device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
             if self.rules:
                 self.rules.barrier(device_ids)
+            self._issue("barrier", self.groups.world)
             dist.barrier(device_ids=device_ids)
 
 

@@ -46,9 +46,9 @@ from megatron.loss_scale import DynamicLossScale, LossScaleSettings
 from megatron.topology.groups import ProcessGroups
 
 
-def _digest(values: list[float]) -> int:
-    """A signed 64-bit digest of float64 values (equal exactly when the values' bits are)."""
-    raw = struct.pack(f"<{len(values)}d", *values)
+def _digest(values: list[int]) -> int:
+    """A signed 64-bit digest of the units' checksums (int64 sums of their bits)."""
+    raw = struct.pack(f"<{len(values)}q", *values)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
 
@@ -165,7 +165,9 @@ class ZeroTopoEngine:
 
     # -- the loop's interface -----------------------------------------------------------------------
     def _autocast(self):
-        if self.dtype is torch.float32:
+        # The meta device (a rehearsal standing in for a GPU, megatron/rehearsal/) has no autocast; the
+        # flat buffers hold the compute dtype already, so the collectives see the same dtypes.
+        if self.dtype is torch.float32 or self.device.type == "meta":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 

@@ -18,11 +18,8 @@ Kinds counted:
 ``count`` is the syncs: reads + device_to_host + blocking and pageable host-to-device copies.
 
 Where it can see them: a CPU run has one memory, so only ``reads`` exist there (a ``.tolist()``
-of a CPU tensor dispatches nothing). Run the same code with the engine on the ``meta`` device and
-every kind appears; ``stand_in=True`` then makes it answer them: a read of a meta tensor returns 0
-(``equal``: True) and a copy of one to the host returns zeros, so code that reads values (a norm, a
-loss, a checkpoint's pieces) runs on through. Mixing a host tensor into meta work still raises, as
-it would on a GPU.
+of a CPU tensor dispatches nothing). Run the same code with the engine on the ``meta`` device (with
+megatron/rehearsal/meta_device.py answering its reads) and every kind appears.
 """
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ class HostSyncs(TorchDispatchMode):
     """Counts, while active, what would make the host wait for a GPU (module docstring):
     ``with HostSyncs() as syncs: ...; syncs.count, syncs.by_kind``."""
 
-    def __init__(self, stand_in: bool = False):
+    def __init__(self):
         super().__init__()
-        self.stand_in = stand_in
         self.by_kind = dict.fromkeys(KINDS, 0)
 
     @property
@@ -54,18 +50,11 @@ class HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _READS:
             self.by_kind["reads"] += 1
-            if self.stand_in and any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
-                return True if func is torch.ops.aten.equal.default else _zero_of(args[0])
         elif func is _TO_COPY and kwargs.get("device") is not None:
-            src, dst = args[0].device, torch.device(kwargs["device"])
-            self._copy(src, dst, bool(kwargs.get("non_blocking")), args[0])
-            if self.stand_in and src.type == "meta" and dst.type == "cpu":
-                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            self._copy(args[0].device, torch.device(kwargs["device"]), bool(kwargs.get("non_blocking")), args[0])
         elif func is _COPY and args[0].device != args[1].device:
-            dst, src = args[0], args[1]
-            self._copy(src.device, dst.device, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking")), src)
-            if self.stand_in and src.is_meta and dst.device.type == "cpu":
-                return dst.zero_()
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._copy(args[1].device, args[0].device, bool(non_blocking), args[1])
         return func(*args, **kwargs)
 
     def _copy(self, src: torch.device, dst: torch.device, non_blocking: bool, tensor: torch.Tensor) -> None:
@@ -80,8 +69,3 @@ class HostSyncs(TorchDispatchMode):
                 self.by_kind["async_host_to_device"] += 1
             else:
                 self.by_kind["pageable_host_to_device"] += 1
-
-
-def _zero_of(tensor: torch.Tensor):
-    """The stand-in value of a meta tensor read to the host."""
-    return False if tensor.dtype is torch.bool else 0 if not tensor.dtype.is_floating_point else 0.0
