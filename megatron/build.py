@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -224,4 +225,15 @@ def build_training(cfg) -> Run:
     if cfg.checkpoint.load:
         with memory.phase("load"):
             trainer.resume(cfg.checkpoint.load)
+    freeze_build_objects()
     return Run(cfg=cfg, runtime=runtime, trainer=trainer, train_data=train_data, memory=memory)
+
+
+def freeze_build_objects() -> None:
+    """Move every object alive after the build (modules, the config, the libraries' import-time
+    objects: ~300,000 at start-up) out of the cyclic garbage collector's reach: they are never
+    garbage, and scanning them in each collection the steps' allocations trigger cost the sharded
+    engine 4.4 ms of its 22 per micro-step at 384 ranks (tools/rehearse.py). Reference counting still
+    frees them; the steps' own objects are collected as usual."""
+    gc.collect()
+    gc.freeze()

@@ -39,6 +39,12 @@ PRESETS = {"zero3": ("configs/zero3.yml", []), "zeropp": ("configs/zeropp.yml", 
            "zero_topo INT8/INT4": ("configs/zero_topo.yml", [Z + "zero_quantized_weights=true",
                                                             Z + "zero_quantized_gradients=true"])}
 BEGIN, END = "<!-- rehearsal:begin -->", "<!-- rehearsal:end -->"
+# The host run: the full depth, world and layout, every width small, so the CPU's compute is a few
+# milliseconds and what a micro-step costs the host (the engine's Python, autograd's) stands out.
+HOST_SHAPE = ["hidden_size=64", "num_attention_heads=4", "seq_length=16", "max_position_embeddings=16",
+              "train_micro_batch_size_per_gpu=1", "vocab_size=500"]
+RUNS = ("meta", "host", "memory")
+DEVICE_OF = {"meta": "meta", "host": "cpu", "memory": "cpu", "cuda": "cuda"}
 GB, MS = 1e9, 1e3
 
 
@@ -50,11 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--set", dest="sets", action="append", default=[], help="config override, KEY=VALUE")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps after the first (meta)")
-    p.add_argument("--device-runs", nargs="+", default=["meta", "cpu"], choices=("meta", "cpu", "cuda"),
-                   help="meta: time, counts, syncs at full shape; cpu: memory at --memory-layers; cuda: memory at full shape")
-    p.add_argument("--memory-layers", type=int, nargs="+", default=[1, 3], help="layer counts of the cpu runs (>= 2 values)")
-    p.add_argument("--memory-seq", type=int, default=8, help="seq_length of the cpu runs")
-    p.add_argument("--memory-micro", type=int, default=1, help="micro-batch of the cpu runs")
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS) + ["cuda"],
+                   help="meta: the full shape on the meta device (start-up, counts, syncs, files); host: the engine's "
+                        "host time on the CPU at the full depth and world, narrow; memory: the CPU's peaks at "
+                        "--memory-layers; cuda: the full shape on a GPU (memory, host time)")
+    p.add_argument("--memory-layers", type=int, nargs="+", default=[1, 3], help="layer counts of the memory runs (>= 2)")
+    p.add_argument("--memory-seq", type=int, default=8, help="seq_length of the memory runs")
+    p.add_argument("--memory-micro", type=int, default=1, help="micro-batch of the memory runs")
     p.add_argument("--work-dir", default=None, help="where data, checkpoints and logs go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write every run's measurements and predictions here")
     p.add_argument("--write", default=None, help="replace the marked section of this markdown file with the tables")
@@ -72,9 +80,17 @@ def child(spec_path: str) -> int:
     from megatron.rehearsal import predict
     from megatron.rehearsal.run import Settings, rehearse
     spec = json.loads(Path(spec_path).read_text())
-    cfg = load_config([REPO / f for f in spec["files"]], spec["sets"], env=spec["env"], notices=[])
+    if spec["kind"] == "host":  # one thread: a GPU rank's host runs Python and launches, not kernels
+        import torch
+        torch.set_num_threads(1)
+    if spec["kind"] != "host":  # checked against NCCL's rules (the host run times what a job runs: no checks)
+        from megatron.engine.nccl_rules import STRICT_ENV
+        os.environ[STRICT_ENV] = "1"
+    work = Path(spec["work_dir"])
+    sets = spec["sets"] + [f"save={work / 'checkpoints'}", f"log_dir={work / 'logs'}"]
+    cfg = load_config([REPO / f for f in spec["files"]], sets, env=spec["env"], notices=[])
     result = rehearse(cfg, Settings(rank=spec["rank"], device=spec["device"], steps=spec["steps"],
-                                    work_dir=Path(spec["work_dir"])))
+                                    work_dir=Path(spec["work_dir"]), allocator=spec["kind"] == "memory"))
     _cfg, layout, _plan = layout_from_config(cfg, world_size_of(cfg))
     model_spec = predict.spec_of(cfg, result["vocab"], layout)
     result["predicted"] = {"collectives_per_step": predict.collective_counts(model_spec),
@@ -93,31 +109,30 @@ def run_child(spec: dict, folder: Path) -> dict:
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                               "OMP_NUM_THREADS", str(os.cpu_count() or 1))})
     if done.returncode != 0:
-        raise SystemExit(f"rehearsal of {spec['name']} on {spec['device']} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"rehearsal of {spec['name']} ({spec['kind']} run) failed:\n{done.stderr[-4000:]}")
     return json.loads(Path(spec["out"]).read_text())
 
 
 def runs_of(args) -> list[dict]:
-    """Every process to start: (preset, device, layers)."""
+    """Every process to start: (preset, kind of run, layers)."""
     env = {"SLURM_JOB_NUM_NODES": str(args.nodes)}
-    base = list(args.configs)
     common = ["eval_iters=0", "checkpoint_factor=null", "keep_last_n_checkpoints=null", "load=null",
               "use_wandb=false", "tensorboard_dir=null", "log_interval=1"]
     runs = []
     for name in args.presets:
         preset_file, extra = PRESETS[name]
-        files = base + [preset_file]
-        for device in args.device_runs:
-            layer_counts = args.memory_layers if device == "cpu" else [None]
-            for layers in layer_counts:
+        for kind in args.runs:
+            for layers in (args.memory_layers if kind == "memory" else [None]):
                 sets = common + extra + list(args.sets)
-                if device == "cpu":
+                if kind == "host":
+                    sets += HOST_SHAPE
+                if kind == "memory":
                     sets += [f"num_layers={layers}", f"seq_length={args.memory_seq}",
                              f"max_position_embeddings={args.memory_seq}",
                              f"train_micro_batch_size_per_gpu={args.memory_micro}"]
-                runs.append({"name": name, "device": device, "files": files, "sets": sets, "env": env,
-                             "rank": args.rank, "steps": args.steps if device == "meta" else 1,
-                             "layers_override": layers})
+                runs.append({"name": name, "kind": kind, "device": DEVICE_OF[kind], "files": list(args.configs) + [preset_file],
+                             "sets": sets, "env": env, "rank": args.rank,
+                             "steps": 1 if kind == "memory" else args.steps if kind == "meta" else max(args.steps, 10), "layers_override": layers})
     return runs
 
 
@@ -137,41 +152,66 @@ def _agree(measured: dict, predicted: dict) -> str:
 
 
 def report(results: list[dict], args) -> str:
-    meta = [r for r in results if r["device"] == "meta"]
     out = []
+    meta = [r for r in results if r["kind"] == "meta"]
     if meta:
-        first = meta[0]
-        out.append(f"Rank {first['rank']} of {first['world_size']} ({first['layers']} layers, {first['units']} units, "
-                   f"micro-batch {first['micro_batch']} x {first['seq_length']} tokens, {first['precision']}), on the "
-                   "meta device: no compute, so the times are the host's.\n")
-        rows = []
-        for r in meta:
-            st, host = r["startup_s"], r["host_s"]
-            engine_ms = (host["micro step"] - r["model_only_micro_step_s"]) * MS
-            rows.append([r["label"], f"{st['process group']:.2f}", f"{st['groups']:.2f}", f"{st['data index']:.2f}",
-                         f"{st['model build']:.1f}", f"{st['model build'] / r['units']:.2f}", f"{st['first step']:.2f}",
-                         f"{host['micro step'] * MS:.1f}", f"{r['model_only_micro_step_s'] * MS:.1f}", f"{engine_ms:.1f}",
-                         f"{host['optimizer step'] * MS:.1f}",
-                         f"{(host['train step'] - r['accumulation'] * host['micro step'] - host['optimizer step']) * MS:.1f}"])
-        out.append(table(["preset", "process group s", "groups s", "data index s", "model build s", "build s / unit",
-                          "first step s", "micro-step ms", "model alone ms", "engine ms / micro-step",
-                          "optimizer step ms", "trainer's rest ms"], rows))
-        rows = []
-        for r in meta:
-            syncs = r["host_syncs"]
-            coll = r["collectives_per_step"]
-            rows.append([r["label"], sum(coll.values()), _agree(coll, r["predicted"]["collectives_per_step"]),
-                         f"{sum(r['ledger_per_step'].values()) / GB:.3f}",
-                         _agree(r["ledger_per_step"], r["predicted"]["ledger_per_step"]),
-                         _syncs(syncs["micro step"]), _syncs(syncs["optimizer step"]), _syncs(syncs["trainer"]),
-                         syncs["per step"], len(r["checkpoint"]["files"]), f"{r['checkpoint']['bytes'] / GB:.3f}"])
-        out.append("\n" + table(["preset", "collectives / step", "vs comm model", "ledger GB / step", "vs comm model",
-                                 "syncs / micro-step", "syncs / optimizer step", "syncs / trainer", "syncs / step",
-                                 "checkpoint files", "checkpoint GB"], rows))
-    cpu = [r for r in results if r["device"] in ("cpu", "cuda") and r.get("memory")]
-    if cpu:
-        out.append("\n" + memory_report(cpu, meta, args))
-    return "\n".join(out) + "\n"
+        out.append(meta_report(meta))
+    host = [r for r in results if r["kind"] in ("host", "cuda")]
+    if host:
+        out.append(host_report(host))
+    memory = [r for r in results if r["kind"] in ("memory", "cuda") and r.get("memory")]
+    if memory:
+        out.append(memory_report(memory, {r["label"]: r["layers"] for r in meta}))
+    return "\n\n".join(out) + "\n"
+
+
+def _shape(r: dict) -> str:
+    return (f"rank {r['rank']} of {r['world_size']}, {r['layers']} layers ({r['units']} units), micro-batch "
+            f"{r['micro_batch']} x {r['seq_length']} tokens, {r['precision']}")
+
+
+def meta_report(runs: list[dict]) -> str:
+    rows, checks = [], []
+    for r in runs:
+        st = r["startup_s"]
+        block = sorted(r["unit_build_s"][1:-1] or r["unit_build_s"])
+        rows.append([r["label"], f"{st['process group']:.2f}", f"{st['groups']:.2f}", f"{st['data index']:.2f}",
+                     f"{st['model build']:.0f}", f"{block[len(block) // 2]:.2f}", f"{st['first step']:.1f}",
+                     f"{r['checkpoint']['save_s']:.1f}", f"{r['checkpoint']['load_s']:.1f}"])
+        syncs, coll = r["host_syncs"], r["collectives_per_step"]
+        checks.append([r["label"], sum(coll.values()), _agree(coll, r["predicted"]["collectives_per_step"]),
+                       f"{sum(r['ledger_per_step'].values()) / GB:.2f}",
+                       _agree(r["ledger_per_step"], r["predicted"]["ledger_per_step"]),
+                       _syncs(syncs["micro step"]), _syncs(syncs["optimizer step"]), _syncs(syncs["trainer"]),
+                       len(r["checkpoint"]["files"]), f"{r['checkpoint']['bytes'] / GB:.3f}"])
+    return (f"On the meta device at the full shape ({_shape(runs[0])}): start-up, seconds (the build draws every "
+            "unit's init on the CPU, as every rank does; the data index is a synthetic corpus's)\n\n"
+            + table(["preset", "process group", "groups", "data index", "model build", "build per block",
+                     "first step", "save", "load"], rows)
+            + "\n\nPer optimizer step: collectives issued and ledger bytes sent by this rank against the comm "
+              "model; what makes the host wait (HostSyncs); the checkpoint this rank wrote (its file and the "
+              "commit's, done for the absent rank 0)\n\n"
+            + table(["preset", "collectives", "vs comm model", "ledger GB", "vs comm model", "syncs / micro-step",
+                     "syncs / optimizer step", "syncs / trainer", "checkpoint files", "checkpoint GB"], checks))
+
+
+def host_report(runs: list[dict]) -> str:
+    rows = []
+    for r in runs:
+        host = r["host_s"]
+        coll = sum(r["collectives_per_step"].values())
+        rows.append([r["label"], f"{host['micro step'] * MS:.1f}", f"{host['engine in micro step'] * MS:.1f}",
+                     f"{host['backend in micro step'] * MS:.1f}", f"{host['kernels in micro step'] * MS:.1f}",
+                     f"{(host['optimizer step'] - host['backend in optimizer step'] - host['kernels in optimizer step']) * MS:.1f}",
+                     f"{(host['train step'] - r['accumulation'] * host['micro step'] - host['optimizer step']) * MS:.1f}",
+                     coll])
+    return (f"Host time on the CPU at the full depth and world, every width small ({_shape(runs[0])}): medians in ms. "
+            "The engine's share is the time inside its hooks and pass bookkeeping less the backend's calls (fake: a "
+            "copy per group member NCCL does not make) and the quantization kernels (computed here, launched on a "
+            "GPU), both shown apart\n\n"
+            + table(["preset", "micro-step", "engine per micro-step", "backend per micro-step",
+                     "quantization kernels per micro-step", "optimizer step (engine)", "trainer's rest",
+                     "collectives / step"], rows))
 
 
 def _syncs(by_kind: dict) -> str:
@@ -179,9 +219,8 @@ def _syncs(by_kind: dict) -> str:
     return ", ".join(parts) or "0"
 
 
-def memory_report(runs: list[dict], meta: list[dict], args) -> str:
+def memory_report(runs: list[dict], full: dict) -> str:
     from megatron.rehearsal.predict import extrapolate
-    full = {r["label"]: r["layers"] for r in meta}
     rows = []
     for label in dict.fromkeys(r["label"] for r in runs):
         mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["layers"])
@@ -190,7 +229,7 @@ def memory_report(runs: list[dict], meta: list[dict], args) -> str:
             want = {r["layers"]: r["predicted"]["memory"][phase] for r in mine}
             if any(v is None for v in got.values()):
                 continue
-            cells = [f"{got[l] / GB:.2f} / {want[l] / GB:.2f} = {got[l] / want[l]:.2f}" for l in got]
+            cells = [f"{got[n] / GB:.2f} / {want[n] / GB:.2f} = {got[n] / want[n]:.2f}" for n in got]
             if len(got) >= 2 and label in full:
                 slope, at_full = extrapolate(got, full[label])
                 want_slope, want_full = extrapolate(want, full[label])
@@ -199,14 +238,13 @@ def memory_report(runs: list[dict], meta: list[dict], args) -> str:
                 cells += ["-", "-"]
             rows.append([label, phase] + cells)
     layers = sorted({r["layers"] for r in runs})
-    device = runs[0]["device"]
     first = runs[0]
-    head = (f"Memory of rank {first['rank']} of {first['world_size']} on {device} (the allocator's peak per phase; "
-            f"micro-batch {first['micro_batch']} x {first['seq_length']} tokens), measured / predicted by the memory "
-            f"model, at {', '.join(map(str, layers))} layers; the slope per layer and the value at the full layer "
-            "count are an extrapolation from the two largest runs, not a measurement.\n")
-    return head + table(["preset", "phase"] + [f"{l} layers GB" for l in layers] +
-                        ["GB per layer (measured / model)", "full model GB, extrapolated / model"], rows)
+    measure = "the GPU's allocation" if first["device"] == "cuda" else "the CPU allocator's peak"
+    return (f"Memory per phase on {first['device']} ({measure}; {_shape(first)} at {', '.join(map(str, layers))} "
+            "layers): measured / predicted by the memory model; the slope per layer and the value at the full layer "
+            "count are an extrapolation from the two largest runs, not a measurement\n\n"
+            + table(["preset", "phase"] + [f"{n} layers, GB" for n in layers] +
+                    ["GB per layer, measured / model", "full model GB, extrapolated / model"], rows))
 
 
 def write_section(path: Path, text: str) -> None:
@@ -221,16 +259,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args.child)
-    if "cpu" in args.device_runs and len(args.memory_layers) < 2:
+    if "memory" in args.runs and len(args.memory_layers) < 2:
         raise SystemExit("--memory-layers needs two layer counts or more (the slope per layer)")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         for i, spec in enumerate(runs_of(args)):
-            print(f"[rehearse] {spec['name']} on {spec['device']}"
+            print(f"[rehearse] {spec['name']}: {spec['kind']} run"
                   + (f", {spec['layers_override']} layers" if spec["layers_override"] else ""), file=sys.stderr, flush=True)
             result = run_child(spec, work / f"run{i}")
-            result["label"] = spec["name"]
+            result["label"], result["kind"] = spec["name"], spec["kind"]
             results.append(result)
     text = report(results, args)
     print(text)

@@ -51,6 +51,7 @@ class Communicator:
         self.rank = groups.rank
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = torch.device(device)  # where small control buffers live (cuda under NCCL)
+        self.backend = _backend(self.device)
         self.rules = NcclRules(self.device) if (strict_from_env() if strict is None else strict) else None
         self.ring_reduce_scatter = ring_reduce_scatter
         # collectives issued, by (op, group kind): what the comm model's step_collectives counts
@@ -145,7 +146,7 @@ class Communicator:
         if group.size == 1:
             _copy_unless_same(out, inp)
             return {}, Pending(None)
-        backend = backend_of_device(inp.device.type)
+        backend = self.backend
         exchange = (not self.ring_reduce_scatter and
                     collective_algorithm("reduce_scatter", backend, self.one_tier(group)) == ALL_TO_ALL_SUM)
         if self.rules:
@@ -290,6 +291,15 @@ class Communicator:
                 self.rules.barrier(device_ids)
             self._issue("barrier", self.groups.world)
             dist.barrier(device_ids=device_ids)
+
+
+def _backend(device: torch.device) -> str:
+    """What runs this communicator's collectives, as ``collective_algorithm`` names it: the process
+    group's backend (torch's ``fake`` stands in for NCCL/RCCL in a rehearsal, megatron/rehearsal/),
+    else, before one exists, the one that moves the device's tensors."""
+    if dist.is_available() and dist.is_initialized():
+        return "gloo" if dist.get_backend() == "gloo" else "nccl"
+    return backend_of_device(device.type)
 
 
 @dataclass(frozen=True)

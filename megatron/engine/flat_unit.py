@@ -155,6 +155,7 @@ class FlatUnit:
         for slot in slots:  # the module attributes become plain tensors (views set by set_views)
             del slot.module._parameters[slot.attr]
         self.state = UnitState.GATHERED if not self.shardable else UnitState.RELEASED
+        self.views_track_grad = False  # the module attributes were made with grad on (set_views)
         self.inflight = None          # the issued gather while GATHERING (schedules.InflightGather)
         self.recomputes = False       # learned in backward: autograd re-runs this unit (activation checkpointing)
         self.pending_bwd_charges: Optional[dict] = None  # a backward gather not yet known to be a recompute
@@ -177,12 +178,16 @@ class FlatUnit:
         return self.state is UnitState.GATHERED
 
     def set_views(self) -> None:
-        """Point every module attribute at its slice of ``flat`` (autograd-tracked when grad is on)."""
+        """Point every module attribute at its slice of ``flat`` (autograd-tracked when grad is on).
+        Made again for every forward: the views' autograd nodes must be younger than the ops before
+        them, or autograd, which runs the youngest ready node first, would accumulate ``flat``'s
+        gradient (and so reduce it and release the unit) only at the very end of the backward."""
         sizes = [s.numel for s in self.slots]
         if self.size > self.numel:
             sizes.append(self.size - self.numel)
         for slot, piece in zip(self.slots, self.flat.split(sizes)):
-            slot.module.__dict__[slot.attr] = piece.view(slot.shape)
+            slot.module.__dict__[slot.attr] = piece if piece.dim() == len(slot.shape) == 1 else piece.view(slot.shape)
+        self.views_track_grad = torch.is_grad_enabled()
 
     def param_views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameters by name as views of a full (S-element) buffer."""

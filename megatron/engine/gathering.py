@@ -75,6 +75,11 @@ class UnitGathers:
                 unit.pending_bwd_charges = None
             unit.recomputes = True
             self._prefetch(self.order.before(unit.index), backward=True)
+            # A non-re-entrant checkpoint recomputes values only (its gradients flow through the
+            # forward's nodes): the forward's views, over the same storage gathered again, serve.
+            # A re-entrant one ran its forward without grad and backpropagates the recompute: remake.
+            if unit.views_track_grad:
+                return
         else:
             self.order.visit(unit.index)
             if not unit.gathered:

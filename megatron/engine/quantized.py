@@ -51,9 +51,13 @@ def unpack_messages(buf: torch.Tensor, k: int, chunk_numel: int, bits: int, bloc
     if rows.shape[1] != message_bytes(chunk_numel, bits, block):
         raise EngineError(f"a quantized message holds {rows.shape[1]} bytes, expected "
                           f"{message_bytes(chunk_numel, bits, block)} for {chunk_numel} elements")
-    codes = rows[:, :ncodes].reshape(-1).clone()
-    scales = rows[:, ncodes:].reshape(-1).clone().view(torch.float32)  # clone: aligned for the view
-    return (codes.view(torch.int8) if bits == 8 else codes), scales
+    # reshape copies the k strided pieces into one tensor (k > 1) or views the one message (k == 1):
+    # either way nothing is copied twice; scales that do not start on a 4-byte boundary are copied
+    codes = rows[:, :ncodes].reshape(-1)
+    scales = rows[:, ncodes:].reshape(-1)
+    if scales.data_ptr() % 4:
+        scales = scales.clone()
+    return (codes.view(torch.int8) if bits == 8 else codes), scales.view(torch.float32)
 
 
 def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits: int, block: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron.analytic.model_inputs import padded_vocab_of
-from megatron.build import build_engine
+from megatron.build import build_engine, freeze_build_objects
 from megatron.checkpointing.checkpointer import Checkpointer
 from megatron.config import world_size_of
 from megatron.data import build_datasets
@@ -38,6 +38,7 @@ from megatron.logging.host_syncs import HostSyncs
 from megatron.logging.memory import PhasePeaks
 from megatron.model import GPTNeoX
 from megatron.rehearsal.fake_world import RehearsalError, join_fake_world, synthetic_corpus
+from megatron.rehearsal.host_clock import HostClock
 from megatron.rehearsal.meta_device import answers_reads
 from megatron.runtime import Runtime
 from megatron.topology import ProcessGroups, Topology
@@ -123,6 +124,7 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
     with memory.phase("step"):
         trainer.train_step()
     startup["first step"] = _clock() - t
+    freeze_build_objects()  # as Trainer.fit does after its first step
     engine.synced_ledger()
 
     step_s, issued, ledgers = [], [], []
@@ -136,7 +138,11 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
         issued.append(_issued_since(engine.comm, before))
         ledgers.append(engine.synced_ledger())
     timed = {"micro step": calls.times["forward_backward"], "optimizer step": calls.times["optimizer_step"],
-             "train step": step_s}
+             "train step": step_s, "engine in micro step": calls.engine_own["forward_backward"],
+             "backend in micro step": calls.backend["forward_backward"],
+             "kernels in micro step": calls.kernels["forward_backward"],
+             "backend in optimizer step": calls.backend["optimizer_step"],
+             "kernels in optimizer step": calls.kernels["optimizer_step"]}
     syncs = _count_syncs(trainer, calls)
     baseline = _model_only_micro_steps(cfg, vocab, engine, device, settings.steps) if device.type == "meta" else None
     checkpoint = _save_and_load(trainer, engine, memory, rank, world, Path(cfg.checkpoint.save))
@@ -158,15 +164,14 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
 
 class _Timed:
     """The engine's forward_backward and optimizer_step timed per call (instance attributes that
-    shadow the methods; ``restore`` removes them) and, when ``counting``, each under its own
-    HostSyncs."""
+    shadow the methods; ``restore`` removes them): the wall time, the engine's own share and the
+    backend's (host_clock.HostClock) and, when ``counting``, each call under its own HostSyncs."""
 
     NAMES = ("forward_backward", "optimizer_step")
 
     def __init__(self, engine):
         self.engine = engine
-        self.times: dict[str, list[float]] = {}
-        self.syncs: dict[str, list[dict]] = {}
+        self.clock = HostClock(engine)
         self.counting = False
         for name in self.NAMES:
             setattr(engine, name, self._wrap(name, getattr(engine, name)))
@@ -175,10 +180,15 @@ class _Timed:
     def _wrap(self, name: str, method: Callable) -> Callable:
         def timed(*args, **kwargs):
             counter = HostSyncs() if self.counting else contextlib.nullcontext()
+            engine_s, backend_s, kernels_s = self.clock.engine_s, self.clock.backend_s, self.clock.kernels_s
             t = _clock()
             with counter:
                 out = method(*args, **kwargs)
             self.times[name].append(_clock() - t)
+            backend, kernels = self.clock.backend_s - backend_s, self.clock.kernels_s - kernels_s
+            self.backend[name].append(backend)
+            self.kernels[name].append(kernels)
+            self.engine_own[name].append(self.clock.engine_s - engine_s - backend - kernels)
             if self.counting:
                 self.syncs[name].append(dict(counter.by_kind))
             return out
@@ -186,11 +196,15 @@ class _Timed:
 
     def reset(self) -> None:
         self.times = {name: [] for name in self.NAMES}
+        self.engine_own = {name: [] for name in self.NAMES}
+        self.backend = {name: [] for name in self.NAMES}
+        self.kernels = {name: [] for name in self.NAMES}
         self.syncs = {name: [] for name in self.NAMES}
 
     def restore(self) -> None:
         for name in self.NAMES:
             delattr(self.engine, name)
+        self.clock.restore()
 
 
 def _count_syncs(trainer: Trainer, calls: _Timed) -> dict:
