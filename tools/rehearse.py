@@ -75,9 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def child(spec_path: str) -> int:
     """Run one configuration (a JSON spec written by the parent) and write its result beside it."""
     from megatron.config import load_config
-    from megatron.engine.setup import layout_from_config
-    from megatron.config import world_size_of
-    from megatron.rehearsal import predict
     from megatron.rehearsal.run import Settings, rehearse
     spec = json.loads(Path(spec_path).read_text())
     if spec["kind"] == "host":  # one thread: a GPU rank's host runs Python and launches, not kernels
@@ -91,11 +88,6 @@ def child(spec_path: str) -> int:
     cfg = load_config([REPO / f for f in spec["files"]], sets, env=spec["env"], notices=[])
     result = rehearse(cfg, Settings(rank=spec["rank"], device=spec["device"], steps=spec["steps"],
                                     work_dir=Path(spec["work_dir"]), allocator=spec["kind"] == "memory"))
-    _cfg, layout, _plan = layout_from_config(cfg, world_size_of(cfg))
-    model_spec = predict.spec_of(cfg, result["vocab"], layout)
-    result["predicted"] = {"collectives_per_step": predict.collective_counts(model_spec),
-                           "ledger_per_step": predict.rank_ledger(model_spec, spec["rank"]),
-                           "memory": predict.memory_peaks(cfg, result["vocab"], model_spec, spec["device"])}
     Path(spec["out"]).write_text(json.dumps(result, indent=1))
     return 0
 

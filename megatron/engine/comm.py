@@ -56,7 +56,8 @@ class Communicator:
         self.ring_reduce_scatter = ring_reduce_scatter
         # collectives issued, by (op, group kind): what the comm model's step_collectives counts
         self.issued: dict[tuple[str, str], int] = {}
-        self._wirings: dict[tuple[int, ...], _Wiring] = {}
+        self._wirings: dict[int, tuple[RankGroup, _Wiring]] = {}
+        self._wirings_by_ranks: dict[tuple[int, ...], _Wiring] = {}
 
     # -- charging -----------------------------------------------------------------------------------
     def charge(self, op: str, nbytes: int, group: RankGroup, phase: str) -> dict[str, int]:
@@ -87,7 +88,10 @@ class Communicator:
     def wiring(self, group: RankGroup) -> "_Wiring":
         """How this rank is wired into ``group`` (tiers, next member, peers per tier): worked out once
         per group, in O(k), so no collective pays for it again (a world group has 384 members)."""
-        wiring = self._wirings.get(group.ranks)
+        held = self._wirings.get(id(group))  # by identity: hashing a 384-rank tuple per collective costs more
+        if held is not None and held[0] is group:
+            return held[1]
+        wiring = self._wirings_by_ranks.get(group.ranks)
         if wiring is None:
             me = group.index(self.rank)
             peers: dict[str, int] = {}
@@ -98,7 +102,8 @@ class Communicator:
             nxt = group.ranks[(me + 1) % group.size]
             wiring = _Wiring(self.topology.tiers_among(group.ranks), me,
                              self.topology.tier_between(self.rank, nxt) if nxt != self.rank else "", peers)
-            self._wirings[group.ranks] = wiring
+            self._wirings_by_ranks[group.ranks] = wiring
+        self._wirings[id(group)] = (group, wiring)  # the group is held, so its id is not reused meanwhile
         return wiring
 
     def spans_nodes(self, group: RankGroup) -> bool:

@@ -13,21 +13,29 @@ from __future__ import annotations
 from megatron.analytic.comm_model import CommSpec, groups_of_kind, predict_ledger_per_rank, step_collectives
 from megatron.analytic.memory_model import device_phase_bytes, predict_peak_bytes
 from megatron.analytic.model_inputs import activations_from_config, autocast_copies_from_config, comm_spec_from_config
+from megatron.topology.names import GROUP_KINDS
 
 
 def spec_of(cfg, vocab: int, layout) -> CommSpec:
     return comm_spec_from_config(cfg, vocab, layout)
 
 
-def collective_counts(spec: CommSpec) -> dict[str, int]:
-    """{"op/kind": collectives one rank issues per optimizer step}."""
-    sizes: dict[str, int] = {}
+def group_labels(spec: CommSpec, rank: int) -> dict[str, tuple[str, int]]:
+    """{kind: (label, size)} of the groups holding ``rank``: each named by the last kind (world last)
+    with the same members, as the rehearsal names the engine's (zero3's weight group is the world)."""
+    members = {kind: next(g for g in groups_of_kind(kind, spec) if rank in g) for kind in GROUP_KINDS}
+    return {kind: (next(k for k in reversed(GROUP_KINDS) if members[k] == members[kind]), len(members[kind]))
+            for kind in GROUP_KINDS}
+
+
+def collective_counts(spec: CommSpec, rank: int) -> dict[str, int]:
+    """{"op/kind": collectives rank ``rank`` issues per optimizer step} (a group of one issues none)."""
+    labels = group_labels(spec, rank)
     counts: dict[str, int] = {}
     for col in step_collectives(spec):
-        if col.group not in sizes:
-            sizes[col.group] = len(groups_of_kind(col.group, spec)[0])
-        if sizes[col.group] > 1:
-            key = f"{col.op}/{col.group}"
+        label, size = labels[col.group]
+        if size > 1:
+            key = f"{col.op}/{label}"
             counts[key] = counts.get(key, 0) + col.count
     return counts
 
@@ -49,3 +57,10 @@ def extrapolate(points: dict[int, float], to_layers: int) -> tuple[float, float]
     (l1, v1), (l2, v2) = sorted(points.items())[-2:]
     slope = (v2 - v1) / (l2 - l1)
     return slope, v2 + slope * (to_layers - l2)
+
+
+def predictions(cfg, vocab: int, layout, rank: int, device: str) -> dict:
+    """What the models say of rank ``rank`` of this run: collectives, ledger bytes, memory per phase."""
+    spec = spec_of(cfg, vocab, layout)
+    return {"collectives_per_step": collective_counts(spec, rank), "ledger_per_step": rank_ledger(spec, rank),
+            "memory": memory_peaks(cfg, vocab, spec, device)}

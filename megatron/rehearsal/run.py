@@ -40,8 +40,10 @@ from megatron.model import GPTNeoX
 from megatron.rehearsal.fake_world import RehearsalError, join_fake_world, synthetic_corpus
 from megatron.rehearsal.host_clock import HostClock
 from megatron.rehearsal.meta_device import answers_reads
+from megatron.rehearsal.predict import predictions
 from megatron.runtime import Runtime
 from megatron.topology import ProcessGroups, Topology
+from megatron.topology.names import GROUP_KINDS
 from megatron.training import Trainer
 
 NO_PIECES = {"pieces": [], "per_rank": []}  # an absent rank's index entry: its file is not in the rehearsal
@@ -147,7 +149,7 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
     baseline = _model_only_micro_steps(cfg, vocab, engine, device, settings.steps) if device.type == "meta" else None
     checkpoint = _save_and_load(trainer, engine, memory, rank, world, Path(cfg.checkpoint.save))
     calls.restore()
-    return {
+    return {"predicted": predictions(cfg, vocab, layout, rank, device.type),
         "rank": rank, "world_size": world, "device": device.type, "preset": layout.preset,
         "factors": list(layout.factors.as_tuple()), "layers": cfg.model.num_layers, "vocab": vocab,
         "seq_length": cfg.model.seq_length, "micro_batch": tcfg.train_micro_batch_size_per_gpu,
@@ -262,17 +264,30 @@ def _save_and_load(trainer: Trainer, engine, memory: PhasePeaks, rank: int, worl
     save_collectives = _issued_since(engine.comm, before)
     step_dir = save_dir / f"global_step{trainer.iteration}"
     files = {p.name: p.stat().st_size for p in sorted(step_dir.iterdir())}
+    out = {"files": files, "bytes": sum(files.values()), "save_s": save_s, "save_collectives": save_collectives}
+    replica = engine.groups.replica
+    if replica.index(rank) != 0:  # its slices are in the first replica's files (state_io), absent here
+        out["load_skipped"] = f"rank {rank} reads rank {replica.ranks[0]}'s file, which a rehearsal of rank {rank} lacks"
+        return out
     t = _clock()
     with memory.phase("load"):
         trainer.resume(str(save_dir))
-    return {"files": files, "bytes": sum(files.values()), "save_s": save_s, "load_s": _clock() - t,
-            "save_collectives": save_collectives}
+    return {**out, "load_s": _clock() - t}
 
 
 def _issued_since(comm, before: dict) -> dict[str, int]:
-    """{"op/kind": collectives issued since ``before`` (a copy of ``comm.issued``)}."""
-    return {f"{op}/{kind}": n - before.get((op, kind), 0) for (op, kind), n in comm.issued.items()
-            if n - before.get((op, kind), 0)}
+    """{"op/kind": collectives issued since ``before`` (a copy of ``comm.issued``)}, each group named
+    by the last kind with the same members (``predict.group_label``: zeropp's and zero3's weight group
+    is the world)."""
+    groups = comm.groups
+    label = {kind: next(k for k in reversed(GROUP_KINDS) if getattr(groups, k).ranks == getattr(groups, kind).ranks)
+             for kind in GROUP_KINDS}
+    out: dict[str, int] = {}
+    for (op, kind), n in comm.issued.items():
+        if n - before.get((op, kind), 0):
+            key = f"{op}/{label[kind]}"
+            out[key] = out.get(key, 0) + n - before.get((op, kind), 0)
+    return out
 
 
 def _stable(per_step: list[dict]) -> dict:

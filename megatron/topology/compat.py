@@ -19,10 +19,13 @@ def _first(names: tuple[str, ...]):
 
 def all_gather_tensor(output, input, group=None, async_op: bool = False):
     """All-gather ``input`` of every member into the flat ``output`` (member order)."""
-    return _first(("all_gather_single", "all_gather_into_tensor"))(output, input, group=group, async_op=async_op)
+    return _first(_ALL_GATHER)(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, group=None, async_op: bool = False):
     """Sum ``input`` over the members; member i receives chunk i into ``output``."""
-    fn = _first(("reduce_scatter_single", "reduce_scatter_tensor"))
-    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _first(_REDUCE_SCATTER)(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+_ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor")
