@@ -113,6 +113,9 @@ CONFIG_MISTAKES = [
     pytest.param(None, ["--set", "fp16.enabled=true", "--set", "fp16.hysteresis=0"],
                  "deepy: error: fp16: hysteresis must be >= 1, got 0 (in <source>); see docs/numerics.md",
                  id="fp16-block"),
+    pytest.param(None, ["--set", "communication_data_type=bf16", "--set", "fp32_allreduce=true"],
+                 "deepy: error: communication_data_type: bf16 contradicts fp32_allreduce: true (in --set); keep one of "
+                 "the two", id="communication-dtype-contradicts-fp32-allreduce"),
     pytest.param(None, ["--set", "gradient_predivide_factor=0"],
                  "deepy: error: gradient_predivide_factor: must be > 0.0, got 0.0 (in --set)", id="predivide-not-positive"),
     pytest.param(None, ["--set", "fp16.enabled=true", "--set", "precision=bfloat16"],

@@ -56,11 +56,12 @@ def model_config(checkpoint_activations: bool = False) -> ModelConfig:
 
 def _case(name: str, *, preset: str | None = None, factors: tuple | None = None, accum: int = 1,
           checkpoint: bool = False, precision: str = "fp32", fp32_allreduce: bool = False, eval_iters: int = 0,
-          quant: tuple | None = None, cross_node_reduction: str = "reduce_scatter") -> dict:
-    """``quant``: (weight, grad, cross, refresh bits, block, error feedback), or None for none."""
+          quant: tuple | None = None, cross_node_reduction: str = "reduce_scatter", reduce_dtype: str | None = None) -> dict:
+    """``quant``: (weight, grad, cross, refresh bits, block, error feedback), or None for none;
+    ``reduce_dtype``: communication_data_type (fp32, bf16, fp16), or None."""
     return dict(name=name, preset=preset, factors=factors, accum=accum, checkpoint=checkpoint, precision=precision,
                 fp32_allreduce=fp32_allreduce, eval_iters=eval_iters, quant=quant,
-                cross_node_reduction=cross_node_reduction)
+                cross_node_reduction=cross_node_reduction, reduce_dtype=reduce_dtype)
 
 
 def _cases(presets: list, factor_sets: list, extras: list) -> list[dict]:
@@ -124,6 +125,9 @@ CASES = {
         _case("zeropp-eval2-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, eval_iters=2),
         _case("zero_topo-eval1-A2", preset="zero_topo", accum=2, eval_iters=1),
         _case("f1-2-2-eval2-A1", factors=(1, 2, 2), eval_iters=2),
+        # communication_data_type: fp32 sums inside the node too under bf16 compute; bf16 across nodes
+        _case("zero_topo-bf16-comm-fp32-A2", preset="zero_topo", accum=2, precision="bfloat16", reduce_dtype="fp32"),
+        _case("stage3-fp32-comm-bf16-A1", preset="stage3", reduce_dtype="bf16"),
         *QUANT_CASES,
         *ALL_REDUCE_CASES,
     ]),
@@ -189,7 +193,7 @@ def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict)
         weight, grad, cross, refresh, block, feedback = case["quant"]
         quant = QuantSpec(weight_gather_bits=weight, grad_reduce_bits=grad, cross_node_grad_bits=cross, refresh_bits=refresh, block_size=block,
                               error_feedback=feedback, impl="reference")
-    engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=case["precision"], accumulation_steps=case["accum"], fp32_allreduce=case["fp32_allreduce"], quant=quant, cross_node_reduction=case["cross_node_reduction"]))
+    engine = ZeroTopoEngine(model, lm_loss, groups, Communicator(groups), EngineSettings(optimizer=OPT, precision=case["precision"], accumulation_steps=case["accum"], fp32_allreduce=case["fp32_allreduce"], quant=quant, cross_node_reduction=case["cross_node_reduction"], reduce_dtype=case["reduce_dtype"]))
     engine.ledger.reset()
     own = _keep_own_counters(engine)
     first = _train_step(engine, rank, 0, case["accum"])
@@ -235,6 +239,7 @@ def spec_for(layout_key: str, case: dict, window: int) -> CommSpec:
     return CommSpec(units, ShardLayout.resolve(LAYOUTS[layout_key], preset=case["preset"], shard_factors=case["factors"]), quant=quant,
                     micro_batches=case["accum"], compute_bytes=2 if case["precision"] == "bfloat16" else 4,
                     fp32_allreduce=case["fp32_allreduce"], cross_node_reduction=case["cross_node_reduction"],
+                    reduce_bytes={None: None, "fp32": 4, "bf16": 2, "fp16": 2}[case["reduce_dtype"]],
                     checkpointed_units=transformer_block_units(len(units)) if case["checkpoint"] else frozenset(),
                     eval_forward_passes=case["eval_iters"] if window == 1 else 0)
 

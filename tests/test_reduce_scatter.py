@@ -76,3 +76,46 @@ def test_ring_and_exchange_are_charged_as_the_ring_per_tier():
         nbytes = 4 * CHUNK * group.size
         assert comm.charge("all_to_all", nbytes, group, "grad_reduce") == \
             comm.charge("reduce_scatter", nbytes, group, "grad_reduce")
+
+
+# -- NCCL's arithmetic on CPU ---------------------------------------------------------------------
+
+RING_K, RING_CHUNK = 4, 257
+
+
+def _ring_worker(rank: int, world_size: int) -> dict:
+    """One node of 4: the node group's reduce-scatter in bf16, by gloo's path (all-to-all, one fp32
+    sum) and by NCCL's (the ring, ``ring_reduce_scatter``), on the same inputs."""
+    topology = Topology.simulated([1, RING_K])
+    groups = ProcessGroups.build(topology, ShardLayout.from_topology(topology, ShardFactors(RING_K, RING_K, RING_K)))
+    gen = torch.Generator().manual_seed(31 + rank)
+    size = RING_K * RING_CHUNK
+    x = (torch.randn(size, generator=gen) * torch.logspace(-2, 3, size)[torch.randperm(size, generator=gen)])
+    x = x.to(torch.bfloat16)
+    out = {"input": x.clone()}
+    for name, ring in (("exchange", False), ("ring", True)):
+        comm = Communicator(groups, ring_reduce_scatter=ring)
+        got = torch.empty(RING_CHUNK, dtype=torch.bfloat16)
+        comm.reduce_scatter(got, x, groups.node, "grad_reduce")
+        out[name] = got
+    return out
+
+
+def test_the_ring_rounds_at_every_hop_as_nccl_does(tmp_path):
+    """With ``ring_reduce_scatter`` the CPU runs NCCL's arithmetic: member c's chunk is summed around
+    the ring from member c+1 to member c, each partial sum rounded to bf16; against that order worked
+    out here, bit for bit. gloo's own path (an all-to-all, one fp32 sum, one rounding) is closer to the
+    exact sum: CPU results are at least as accurate as a GPU run's (docs/numerics.md)."""
+    per_rank = run_ranks("test_reduce_scatter:_ring_worker", RING_K, tmp_path)
+    inputs = [r["input"].view(RING_K, RING_CHUNK) for r in per_rank]
+    ring_error = exchange_error = 0.0
+    for c, result in enumerate(per_rank):
+        acc = inputs[(c + 1) % RING_K][c]
+        for j in range(2, RING_K + 1):  # members c+2, ..., c+k-1, then c itself
+            acc = (acc.float() + inputs[(c + j) % RING_K][c].float()).to(torch.bfloat16)
+        assert torch.equal(result["ring"], acc), c
+        exact = sum(inputs[r][c].double() for r in range(RING_K))
+        assert torch.equal(result["exchange"], exact.float().to(torch.bfloat16)), c  # one rounding
+        ring_error += (result["ring"].double() - exact).abs().sum().item()
+        exchange_error += (result["exchange"].double() - exact).abs().sum().item()
+    assert ring_error > exchange_error

@@ -61,6 +61,9 @@ class CommSpec:
     fp32_allreduce: bool = False
     """Gradient hops across nodes in fp32 instead of the compute dtype: the step-boundary hops (cross,
     replica) and an unquantized micro-step hop whose groups span nodes (stage 2/3, zeropp, wide w or g)."""
+    reduce_bytes: Optional[int] = None
+    """communication_data_type's element size (4 or 2): every unquantized gradient hop, inside a node
+    too, sends it; None: the compute dtype inside a node, fp32_allreduce's rule across nodes."""
     checkpointed_units: frozenset = frozenset()
     """Indices of units run under activation checkpointing (see ``transformer_block_units``)."""
     eval_forward_passes: int = 0
@@ -124,8 +127,9 @@ def _validate(spec: CommSpec) -> None:
                              f"got {type(spec.layout).__name__}")
     if spec.micro_batches < 1 or spec.eval_forward_passes < 0:
         raise CommModelError("micro_batches must be >= 1 and eval_forward_passes >= 0")
-    if spec.compute_bytes not in (2, 4):
-        raise CommModelError(f"compute_bytes must be 2 or 4; got {spec.compute_bytes}")
+    if spec.compute_bytes not in (2, 4) or spec.reduce_bytes not in (None, 2, 4):
+        raise CommModelError(f"compute_bytes and reduce_bytes must be 2 or 4; got {spec.compute_bytes}, "
+                             f"{spec.reduce_bytes}")
     if not spec.checkpointed_units <= set(range(len(spec.unit_numels))):
         raise CommModelError(f"checkpointed_units {sorted(spec.checkpointed_units)} name units that do not exist")
     if min(spec.loss_vector_len, spec.eval_loss_vector_len, spec.ledger_vector_len) < 1:
@@ -282,15 +286,26 @@ def _spans_nodes(kind: str, spec: CommSpec) -> bool:
 
 
 def gradient_hop_bytes(kind: str, spec: CommSpec) -> int:
-    """Element size of an unquantized gradient hop over ``kind``: fp32 when its groups span nodes and
-    fp32_allreduce is on (the step-boundary hops always span them, or have one rank), else c."""
+    """Element size of an unquantized gradient hop over ``kind``: reduce_bytes when set; else fp32
+    when its groups span nodes and fp32_allreduce is on (the step-boundary hops always span them, or
+    have one rank), else c."""
+    if spec.reduce_bytes is not None:
+        return spec.reduce_bytes
     return FP32_BYTES if spec.fp32_allreduce and _spans_nodes(kind, spec) else spec.compute_bytes
+
+
+def boundary_bytes(spec: CommSpec) -> int:
+    """Element size of the step boundary's unquantized hops (cross, replica): reduce_bytes, else fp32
+    with fp32_allreduce, else c."""
+    if spec.reduce_bytes is not None:
+        return spec.reduce_bytes
+    return FP32_BYTES if spec.fp32_allreduce else spec.compute_bytes
 
 
 def _ladder_collectives(spec: CommSpec) -> list:
     w, g, os_ = spec.factors
     c, a, e = spec.compute_bytes, spec.micro_batches, spec.eval_forward_passes
-    boundary = FP32_BYTES if spec.fp32_allreduce else c
+    boundary = boundary_bytes(spec)
     weight_hop, stride_hop = gradient_hop_bytes("weight", spec), gradient_hop_bytes("stride", spec)
     qs, b = spec.quant, spec.quant.block_size
     # the refresh's cross hop: the weights' change with weight deltas (but at a full refresh)

@@ -36,6 +36,12 @@ def compute_bytes_of(cfg) -> int:
     return 2 if cfg.precision.precision in ("bfloat16", "fp16") else 4
 
 
+def reduce_bytes_of(cfg) -> Optional[int]:
+    """Bytes of one element of precision.communication_data_type; None when unset."""
+    dtype = cfg.precision.communication_data_type
+    return None if dtype is None else 4 if dtype == "fp32" else 2
+
+
 def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] = None) -> CommSpec:
     """One optimizer step of the configured run on ``layout`` (the run's one ShardLayout; default:
     the validated config's, ``ShardLayout.from_config``)."""
@@ -45,6 +51,7 @@ def comm_spec_from_config(cfg, padded_vocab: int, layout: Optional[ShardLayout] 
                     micro_batches=cfg.training.gradient_accumulation_steps or 1,
                     compute_bytes=compute_bytes_of(cfg),
                     fp32_allreduce=bool(cfg.precision.fp32_allreduce),
+                    reduce_bytes=reduce_bytes_of(cfg),
                     cross_node_reduction=cfg.zero.cross_node_reduction,
                     reductions_in_flight=int(cfg.zero.reduce_buckets_in_flight) if cfg.zero.overlap_comm else 0,
                     reduce_bucket_elements=int(cfg.zero.reduce_bucket_size),

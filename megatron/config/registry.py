@@ -93,8 +93,7 @@ _NOOP: dict[str, tuple[str, ...]] = {
         "bias_dropout_fusion", "rope_fusion", "layernorm_fusion", "rmsnorm_fusion", "use_flashattn_swiglu",
         "mamba_selective_scan_fusion", "mamba_causal_conv_fusion", "mamba_inner_func_fusion"),
     "numerics are fixed here (softmax, loss and query-key scaling in fp32 by SDPA/torch)": (
-        "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "fp16_lm_cross_entropy",
-        "communication_data_type"),
+        "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "fp16_lm_cross_entropy"),
     "apply only to architectures we do not build (RMSNorm/ScaleNorm, RPE, learned, gMLP, Mamba, RWKV)": (
         "rms_norm_epsilon", "scalenorm_epsilon", "rpe_num_buckets", "rpe_max_distance", "opt_pos_emb_offset",
         "gmlp_attn_dim", "mamba_selective_fp32_params", "mamba_use_bias_in_conv", "mamba_use_bias_in_linears",

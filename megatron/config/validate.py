@@ -173,6 +173,12 @@ def _precision(cfg: NeoXConfig, ctx: _Context, env) -> None:
         said = ", ".join(f"{key} asks for {value}" for key, value in claims)
         raise ctx.error("precision.precision", f"the precision keys disagree: {said}", "keep one way of saying it")
     p.precision = wanted.pop() if wanted else "fp32"
+    if p.communication_data_type is not None:  # every gradient sum in one dtype: fp32_allreduce follows it
+        if p.fp32_allreduce is not None and p.fp32_allreduce != (p.communication_data_type == "fp32"):
+            raise ctx.error("precision.communication_data_type",
+                            f"{p.communication_data_type} contradicts fp32_allreduce: {str(p.fp32_allreduce).lower()}",
+                            "keep one of the two")
+        p.fp32_allreduce = p.communication_data_type == "fp32"
     if p.fp32_allreduce is None:  # fp32 compute: moot; bf16/fp16: sums over 48 nodes need fp32
         p.fp32_allreduce = p.precision != "fp32"
     if p.fp16:  # loss scaling's keys, checked here so a bad value stops deepy, not the ranks

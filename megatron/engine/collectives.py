@@ -33,7 +33,7 @@ class UnitCollectives:
     def __init__(self, groups: ProcessGroups, comm: Communicator, qcomm: Optional[QuantizedCollectives],
                  schedule: LadderSchedule, settings: EngineSettings, device: torch.device):
         self.groups, self.comm, self.qcomm, self.schedule = groups, comm, qcomm, schedule
-        self.quant = settings.quant
+        self.settings, self.quant = settings, settings.quant
         self.dtype, self.boundary_dtype = settings.compute_dtype, settings.boundary_dtype
         self.cross_node_reduction = settings.cross_node_reduction
         self.bucket_elements = settings.reduce_bucket_elements
@@ -50,8 +50,8 @@ class UnitCollectives:
             named = self.schedule.gradient_hops()
             hops = [(group, unit.residuals.get(name)) for name, group in named]
             widths = [self.schedule.hop_bits(name) for name, _ in named]
-        else:  # a hop whose group spans nodes sends the boundary dtype (fp32 with fp32_allreduce)
-            hops = [(group, self.boundary_dtype if self.comm.spans_nodes(group) else self.dtype)
+        else:  # communication_data_type, else a hop whose group spans nodes the boundary dtype
+            hops = [(group, self.settings.hop_dtype(self.comm.spans_nodes(group)))
                     for _name, group in self.schedule.gradient_hops()]
         rows = math.prod(group.size for group, _ in hops)
         quantum = self.quant.block_size if bits else 1

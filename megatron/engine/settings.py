@@ -19,6 +19,8 @@ from megatron.loss_scale import LossScaleSettings
 from megatron.config.quant_spec import QuantSpec
 
 CROSS_NODE_REDUCTIONS = ("reduce_scatter", "all_reduce")  # zero_optimization.cross_node_reduction
+# precision.communication_data_type (DeepSpeed's spelling) -> the dtype the gradient hops sum in
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class EngineSettings:
     """Quantized collectives (megatron/config/quant_spec.py); None: none."""
     fp32_allreduce: bool = False
     """Every gradient hop across nodes in fp32 (precision.fp32_allreduce)."""
+    reduce_dtype: Optional[str] = None
+    """Every unquantized gradient hop in this dtype, fp32/bf16/fp16 (precision.communication_data_type);
+    None: the compute dtype inside a node, ``boundary_dtype`` across nodes."""
     cross_node_reduction: str = "reduce_scatter"
     """The step boundary's cross-group hop: reduce_scatter (ours) or all_reduce (the paper's)."""
     prefetch: bool = True
@@ -65,6 +70,8 @@ class EngineSettings:
             raise EngineError(f"zero_optimization.reduce_bucket_size must be >= 1 element, got {self.reduce_bucket_elements}")
         if self.reduce_buckets_in_flight < 1:
             raise EngineError(f"zero_optimization.reduce_buckets_in_flight must be >= 1, got {self.reduce_buckets_in_flight}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise EngineError(f"communication_data_type {self.reduce_dtype!r}: use {', '.join(REDUCE_DTYPES)}")
         factor = self.gradient_predivide_factor
         if factor is not None and not (math.isfinite(factor) and factor > 0):
             raise EngineError(f"gradient_predivide_factor must be a finite number > 0, got {factor}")
@@ -76,6 +83,7 @@ class EngineSettings:
         return cls(optimizer=cfg.optimizer, precision=cfg.precision.precision,
                    accumulation_steps=cfg.training.gradient_accumulation_steps or 1,
                    quant=QuantSpec.from_config(zero), fp32_allreduce=bool(cfg.precision.fp32_allreduce),
+                   reduce_dtype=cfg.precision.communication_data_type,
                    cross_node_reduction=zero.cross_node_reduction, prefetch=bool(zero.prefetch_gathers),
                    overlap_reduce=bool(zero.overlap_comm), reduce_bucket_elements=int(zero.reduce_bucket_size),
                    reduce_buckets_in_flight=int(zero.reduce_buckets_in_flight),
@@ -89,7 +97,16 @@ class EngineSettings:
     @property
     def boundary_dtype(self) -> torch.dtype:
         """Dtype of every gradient hop across nodes (cross, replica, micro-step hops spanning nodes)."""
+        if self.reduce_dtype is not None:
+            return REDUCE_DTYPES[self.reduce_dtype]
         return torch.float32 if self.fp32_allreduce else self.compute_dtype
+
+    def hop_dtype(self, spans_nodes: bool) -> torch.dtype:
+        """Dtype an unquantized gradient hop sums and sends in: communication_data_type when set,
+        else the boundary dtype across nodes and the compute dtype inside one."""
+        if self.reduce_dtype is not None:
+            return REDUCE_DTYPES[self.reduce_dtype]
+        return self.boundary_dtype if spans_nodes else self.compute_dtype
 
     def predivide(self, world_size: int) -> float:
         return float(world_size if self.gradient_predivide_factor is None else self.gradient_predivide_factor)
