@@ -77,7 +77,7 @@ def test_the_engine_and_the_time_model_choose_the_same_algorithm(recorded, layou
     seen = set()
     for rank in range(topology.world_size):
         groups = ProcessGroups(topology, ShardLayout.from_topology(topology, ShardFactors(*factors)), rank, create=False)
-        comm = Communicator(groups)
+        comm = Communicator(groups, device=device)  # its device (no process group here) names the backend
         for kind in ("weight", "stride", "cross", "replica", "node", "rail", "world"):
             group = getattr(groups, kind)
             if group.size == 1:

@@ -44,7 +44,7 @@ BEGIN, END = "<!-- rehearsal:begin -->", "<!-- rehearsal:end -->"
 HOST_SHAPE = ["hidden_size=64", "num_attention_heads=4", "seq_length=16", "max_position_embeddings=16",
               "train_micro_batch_size_per_gpu=1", "vocab_size=500"]
 RUNS = ("meta", "host", "memory")
-DEVICE_OF = {"meta": "meta", "host": "cpu", "memory": "cpu", "cuda": "cuda"}
+DEVICE_OF = {"meta": "meta", "host": "cpu", "memory": "cpu", "cuda": "cuda:0"}
 GB, MS = 1e9, 1e3
 
 
@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="where data, checkpoints and logs go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write every run's measurements and predictions here")
     p.add_argument("--write", default=None, help="replace the marked section of this markdown file with the tables")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="render the report from saved --json files (a later file's runs replace an earlier's)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -239,6 +241,15 @@ def memory_report(runs: list[dict], full: dict) -> str:
                     ["GB per layer, measured / model", "full model GB, extrapolated / model"], rows))
 
 
+def merged(paths: list[str]) -> list[dict]:
+    """The runs of several --json files, one per (preset, kind, layers): a later file's run replaces."""
+    runs: dict = {}
+    for path in paths:
+        for run in json.loads(Path(path).read_text()):
+            runs[(run["label"], run["kind"], run["layers"])] = run
+    return list(runs.values())
+
+
 def write_section(path: Path, text: str) -> None:
     page = path.read_text()
     if BEGIN not in page or END not in page:
@@ -251,6 +262,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args.child)
+    if args.from_json:
+        results = merged(args.from_json)
+        text = report(results, args)
+        print(text)
+        if args.write:
+            write_section(Path(args.write), text)
+        return 0
     if "memory" in args.runs and len(args.memory_layers) < 2:
         raise SystemExit("--memory-layers needs two layer counts or more (the slope per layer)")
     results = []
