@@ -68,7 +68,9 @@ def test_fp32_first_hops_are_counted_in_fp32_by_hand():
     assert overlapped["reductions in flight"] == 2 * (64 * 4 + 8 * 4)
     topo = predict_peak_bytes(CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2,
                                        fp32_allreduce=True))["step"]
-    assert "reduction input cast" not in topo and topo["reduction output"] == 120 * 2
+    # bf16 first hop: the concatenation moment (the parameters' gradients and the flat one, 2 x 240 x 2)
+    # outweighs the hook's (the gradient 480, its output 240): no cast either way
+    assert (topo["unit gradient"], topo["reduction input cast"], topo["reduction output"]) == (960, 0, 0)
 
 
 def test_hpz_secondary_copy_is_held_in_the_step_only_by_hand():
@@ -85,19 +87,20 @@ def test_hpz_secondary_copy_is_held_in_the_step_only_by_hand():
 
 def test_the_step_is_the_larger_of_two_moments_by_hand():
     """zero_topo on 2x2x2, bf16, units (100, 240, 240, 96): states 2380 and two gathered units 960
-    at both moments; in a block's backward also the unit gradient 480 and the reduction's output 240.
-    So the start of backward makes the peak when its activations lead by more than those 720 bytes,
-    and then it holds no reduction term."""
+    at both moments; in a block's backward also the unit's gradient twice over, its parameters'
+    gradients and their concatenation (2 x 240 x 2 = 960; more than the synchronous hook's gradient
+    and output, 480 + 240). So the start of backward makes the peak when its activations lead by
+    more than those 960 bytes, and then it holds no reduction term."""
     from megatron.analytic.comm_model import CommSpec
     spec = CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2)
-    assert predict_peak_bytes(spec, (1000, 200))["step"] == {
-        "states": 2380, "gathered units": 960, "unit gradient": 0, "reduction output": 0, "activations": 1000,
-        "total": 4340}
+    assert predict_peak_bytes(spec, (1500, 200))["step"] == {
+        "states": 2380, "gathered units": 960, "unit gradient": 0, "reduction input cast": 0, "reduction output": 0,
+        "activations": 1500, "total": 4840}
     assert predict_peak_bytes(spec, (1000, 500))["step"] == {
-        "states": 2380, "gathered units": 960, "unit gradient": 480, "reduction output": 240, "activations": 500,
-        "total": 4560}
+        "states": 2380, "gathered units": 960, "unit gradient": 960, "reduction input cast": 0, "reduction output": 0,
+        "activations": 500, "total": 4800}
     # one figure is taken for both moments: the reductions are added to it (the conservative reading)
-    assert predict_peak_bytes(spec, 1000)["step"]["total"] == 2380 + 960 + 720 + 1000
+    assert predict_peak_bytes(spec, 1000)["step"]["total"] == 2380 + 960 + 960 + 1000
 
 
 def test_peak_model_by_hand():
@@ -111,14 +114,16 @@ def test_peak_model_by_hand():
     # (S x 2), released at once (w = 2); the shards are copied from the parameters (no staging)
     assert peaks["build"] == {"states": 2380, "unit being built (host)": 240 * 4,
                               "unit being built (device)": 240 * 2, "total": 3820}
-    assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
-                             "reduction output": 120 * 2, "activations": 0, "total": 4060}
+    # a block's backward: its parameters' gradients and their concatenation (2 x 240 x 2), more than
+    # the synchronous hook's gradient and output (480 + 240)
+    assert peaks["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 2 * 240 * 2,
+                             "reduction input cast": 0, "reduction output": 0, "activations": 0, "total": 4300}
     # overlap_comm, 2 pieces in flight of at most 64 elements: each its bf16 input and first-hop output
     overlapped = predict_peak_bytes(CommSpec((100, 240, 240, 96), ShardLayout.resolve((2, 2, 2), preset="zero_topo"), compute_bytes=2,
                                              reductions_in_flight=2, reduce_bucket_elements=64))
-    assert overlapped["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 480,
+    assert overlapped["step"] == {"states": 2380, "gathered units": 2 * 240 * 2, "unit gradient": 2 * 240 * 2,
                                   "reductions in flight": 2 * (64 * 2 + 32 * 2), "activations": 0,
-                                  "total": 2380 + 960 + 480 + 384}
+                                  "total": 2380 + 960 + 960 + 384}
     assert peaks["save"] == {"states": 2380, "checkpoint pieces": 3 * 85 * 4, "total": 3400}
     # error feedback (INT4 cross hop, block 8) on units (128, 256, 256, 128), already padded: S = 768,
     # residuals S/g fp32 = 192 x 4 in the states, and again in the save's pieces (each rank's file

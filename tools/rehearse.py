@@ -44,6 +44,7 @@ BEGIN, END = "<!-- rehearsal:begin -->", "<!-- rehearsal:end -->"
 HOST_SHAPE = ["hidden_size=64", "num_attention_heads=4", "seq_length=16", "max_position_embeddings=16",
               "train_micro_batch_size_per_gpu=1", "vocab_size=500"]
 RUNS = ("meta", "host", "memory")
+PHASES = ("build", "step", "save", "load")
 DEVICE_OF = {"meta": "meta", "host": "cpu", "memory": "cpu", "cuda": "cuda:0"}
 GB, MS = 1e9, 1e3
 
@@ -60,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="meta: the full shape on the meta device (start-up, counts, syncs, files); host: the engine's "
                         "host time on the CPU at the full depth and world, narrow; memory: the CPU's peaks at "
                         "--memory-layers; cuda: the full shape on a GPU (memory, host time)")
-    p.add_argument("--memory-layers", type=int, nargs="+", default=[1, 3], help="layer counts of the memory runs (>= 2)")
+    p.add_argument("--memory-layers", type=int, nargs="+", default=[2, 4],
+                   help="layer counts of the memory runs (>= 2; one block is not a steady state: its step holds "
+                        "fewer units in flight than a deeper model does)")
     p.add_argument("--memory-seq", type=int, default=8, help="seq_length of the memory runs")
     p.add_argument("--memory-micro", type=int, default=1, help="micro-batch of the memory runs")
     p.add_argument("--work-dir", default=None, help="where data, checkpoints and logs go (default: a temporary folder)")
@@ -169,17 +172,21 @@ def meta_report(runs: list[dict]) -> str:
     for r in runs:
         st = r["startup_s"]
         block = sorted(r["unit_build_s"][1:-1] or r["unit_build_s"])
+        ckpt = r["checkpoint"]
         rows.append([r["label"], f"{st['process group']:.2f}", f"{st['groups']:.2f}", f"{st['data index']:.2f}",
                      f"{st['model build']:.0f}", f"{block[len(block) // 2]:.2f}", f"{st['first step']:.1f}",
-                     f"{r['checkpoint']['save_s']:.1f}", f"{r['checkpoint']['load_s']:.1f}"])
+                     f"{ckpt['save_s']:.1f}" if "save_s" in ckpt else "-", f"{ckpt['load_s']:.1f}" if "load_s" in ckpt else "-"])
         syncs, coll = r["host_syncs"], r["collectives_per_step"]
         checks.append([r["label"], sum(coll.values()), _agree(coll, r["predicted"]["collectives_per_step"]),
                        f"{sum(r['ledger_per_step'].values()) / GB:.2f}",
                        _agree(r["ledger_per_step"], r["predicted"]["ledger_per_step"]),
                        _syncs(syncs["micro step"]), _syncs(syncs["optimizer step"]), _syncs(syncs["trainer"]),
-                       len(r["checkpoint"]["files"]), f"{r['checkpoint']['bytes'] / GB:.3f}"])
+                       len(ckpt["files"]) if "files" in ckpt else "-",
+                       f"{ckpt['bytes'] / GB:.3f}" if "bytes" in ckpt else f"({ckpt['piece_bytes'] / GB:.1f}: not saved)"])
+    skipped = [f"{r['label']}: {r['checkpoint']['skipped']}" for r in runs if "skipped" in r["checkpoint"]]
+    note = ("; not saved here (" + "; ".join(skipped) + ")") if skipped else ""
     return (f"On the meta device at the full shape ({_shape(runs[0])}): start-up, seconds (the build draws every "
-            "unit's init on the CPU, as every rank does; the data index is a synthetic corpus's)\n\n"
+            f"unit's init on the CPU, as every rank does; the data index is a synthetic corpus's{note})\n\n"
             + table(["preset", "process group", "groups", "data index", "model build", "build per block",
                      "first step", "save", "load"], rows)
             + "\n\nPer optimizer step: collectives issued and ledger bytes sent by this rank against the comm "
@@ -216,27 +223,35 @@ def _syncs(by_kind: dict) -> str:
 def memory_report(runs: list[dict], full: dict) -> str:
     from megatron.rehearsal.predict import extrapolate
     rows = []
+    layers = sorted({r["layers"] for r in runs})
     for label in dict.fromkeys(r["label"] for r in runs):
         mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["layers"])
-        for phase in ("build", "step", "save", "load"):
-            got = {r["layers"]: r["memory"].get(phase) for r in mine}
-            want = {r["layers"]: r["predicted"]["memory"][phase] for r in mine}
+        got_by = {phase: {r["layers"]: r["memory"].get(phase) for r in mine} for phase in PHASES}
+        want_by = {phase: {r["layers"]: r["predicted"]["memory"][phase] for r in mine} for phase in PHASES}
+        for phase in PHASES:
+            got, want = got_by[phase], want_by[phase]
             if any(v is None for v in got.values()):
                 continue
-            cells = [f"{got[n] / GB:.2f} / {want[n] / GB:.2f} = {got[n] / want[n]:.2f}" for n in got]
+            cells = [f"{got[n] / GB:.2f} / {want[n] / GB:.2f} = {got[n] / want[n]:.2f}" if n in got else "-"
+                     for n in layers]
             if len(got) >= 2 and label in full:
-                slope, at_full = extrapolate(got, full[label])
+                # states grow with every layer; the step's transients (units gathered and in flight) stop
+                # growing after a few blocks: the step carries on along the build's slope (its states)
+                slope, _ = extrapolate(got_by["build" if phase == "step" else phase], full[label])
                 want_slope, want_full = extrapolate(want, full[label])
+                deepest = max(got)
+                at_full = got[deepest] + slope * (full[label] - deepest)
                 cells += [f"{slope / GB:.3f} / {want_slope / GB:.3f}", f"{at_full / GB:.1f} / {want_full / GB:.1f}"]
             else:
                 cells += ["-", "-"]
             rows.append([label, phase] + cells)
-    layers = sorted({r["layers"] for r in runs})
     first = runs[0]
     measure = "the GPU's allocation" if first["device"] == "cuda" else "the CPU allocator's peak"
     return (f"Memory per phase on {first['device']} ({measure}; {_shape(first)} at {', '.join(map(str, layers))} "
-            "layers): measured / predicted by the memory model; the slope per layer and the value at the full layer "
-            "count are an extrapolation from the two largest runs, not a measurement\n\n"
+            "layers): measured / predicted by the memory model. The slope per layer and the value at the full "
+            "layer count are an extrapolation from the deepest runs, not a measurement: each phase along its own "
+            "slope, the step along the build's (its states; its transients, the units gathered and reductions in "
+            "flight, stop growing after a few blocks)\n\n"
             + table(["preset", "phase"] + [f"{n} layers, GB" for n in layers] +
                     ["GB per layer, measured / model", "full model GB, extrapolated / model"], rows))
 

@@ -222,14 +222,20 @@ def _reduction_terms(spec: CommSpec, largest: int) -> dict:
     """The gradient reduction's transient buffers at the step's peak (docs/engine.md, "Overlapped
     gradient reduction"): synchronous, one unit's gradient and its first hop's output; overlapped,
     the gradient being produced while M pieces are in flight with their inputs and first outputs.
-    An unquantized first hop whose group spans nodes runs in fp32 with fp32_allreduce (e bytes an
-    element, else e = c): its input is the piece cast to fp32, which replaces an overlapped piece's
-    copy but sits beside a synchronous unit's gradient ("reduction input cast")."""
+    A unit's gradient is made by autograd from its parameters' gradients, concatenated into the one
+    flat gradient (the backward of the split into parameter views): for a moment both exist, 2 S c
+    ("unit gradient"; measured: tools/rehearse.py, a deep zero3 step held one unit more than the
+    single S c). An unquantized first hop whose group spans nodes runs in fp32 with fp32_allreduce
+    (e bytes an element, else e = c): its input is the piece cast to fp32, which replaces an
+    overlapped piece's copy but sits beside a synchronous unit's gradient ("reduction input cast"),
+    once the parameters' gradients are gone."""
     w, c = spec.factors[0], spec.compute_bytes
     e = c if spec.quant.grad_reduce_bits else gradient_hop_bytes("weight" if w > 1 else "stride", spec)
+    concatenating = 2 * largest * c
     if spec.reductions_in_flight == 0:
-        cast = {"reduction input cast": largest * e} if e != c else {}
-        return {"unit gradient": largest * c, **cast, "reduction output": largest // w * e}
+        cast = largest * e if e != c else 0
+        return _larger({"unit gradient": concatenating, "reduction input cast": 0, "reduction output": 0},
+                       {"unit gradient": largest * c, "reduction input cast": cast, "reduction output": largest // w * e})
     piece = min(largest, spec.reduce_bucket_elements)
-    return {"unit gradient": largest * c,
+    return {"unit gradient": concatenating,
             "reductions in flight": spec.reductions_in_flight * (piece * e + piece // w * e)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -250,7 +251,14 @@ def _model_only_micro_steps(cfg, vocab: int, engine, device: torch.device, repea
 def _save_and_load(trainer: Trainer, engine, memory: PhasePeaks, rank: int, world: int, save_dir: Path) -> dict:
     """The trainer's save and resume. The piece lists still travel by the engine's all-gather (its
     collectives counted; not on meta, where it cannot unpickle what it gathers: meta_device.py), but
-    the index lists this rank's pieces only: the others' files are absent."""
+    the index lists this rank's pieces only: the others' files are absent. A save whose host pieces
+    would not fit half this machine's memory is not rehearsed (hsdp's 1/8 optimizer slice at 20B:
+    31 GB), and the result says so."""
+    pieces = sum(3 * u.master.numel() * 4 + sum(r.numel() * 4 for r in u.residuals.values()) for u in engine.units)
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pieces > memory_bytes // 2:
+        return {"skipped": f"the save's {pieces / 1e9:.1f} GB of host pieces exceed half of this machine's "
+                           f"{memory_bytes / 1e9:.0f} GB", "piece_bytes": pieces}
     real_gather = engine.gather_objects
 
     def gather(entry):
