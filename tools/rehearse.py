@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write every run's measurements and predictions here")
     p.add_argument("--write", default=None, help="replace the marked section of this markdown file with the tables")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
-                   help="render the report from saved --json files (a later file's runs replace an earlier's)")
+                   help="render the report from saved --json files (a later file's runs replace an earlier's), "
+                        "predicting again with the models as they are now")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -93,8 +94,21 @@ def child(spec_path: str) -> int:
     cfg = load_config([REPO / f for f in spec["files"]], sets, env=spec["env"], notices=[])
     result = rehearse(cfg, Settings(rank=spec["rank"], device=spec["device"], steps=spec["steps"],
                                     work_dir=Path(spec["work_dir"]), allocator=spec["kind"] == "memory"))
+    result["config"] = {"files": spec["files"], "sets": sets, "env": spec["env"]}  # to predict again later
     Path(spec["out"]).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def predict_again(run: dict) -> dict:
+    """The run's predictions from the models as they are now (its config is in the JSON): saved runs
+    stay comparable after a model changes, without measuring again."""
+    from megatron.config import load_config, world_size_of
+    from megatron.engine.setup import layout_from_config
+    from megatron.rehearsal.predict import predictions
+    spec = run["config"]
+    cfg = load_config([REPO / f for f in spec["files"]], spec["sets"], env=spec["env"], notices=[])
+    _cfg, layout, _plan = layout_from_config(cfg, world_size_of(cfg))
+    return {**run, "predicted": predictions(cfg, run["vocab"], layout, run["rank"], run["device"])}
 
 
 def run_child(spec: dict, folder: Path) -> dict:
@@ -236,8 +250,12 @@ def memory_report(runs: list[dict], full: dict) -> str:
                      for n in layers]
             if len(got) >= 2 and label in full:
                 # states grow with every layer; the step's transients (units gathered and in flight) stop
-                # growing after a few blocks: the step carries on along the build's slope (its states)
-                slope, _ = extrapolate(got_by["build" if phase == "step" else phase], full[label])
+                # growing after a few blocks: the step carries on along its states' slope
+                if phase == "step":
+                    states = {r["layers"]: r["predicted"]["memory"]["step states"] for r in mine}
+                    slope, _ = extrapolate(states, full[label])
+                else:
+                    slope, _ = extrapolate(got, full[label])
                 want_slope, want_full = extrapolate(want, full[label])
                 deepest = max(got)
                 at_full = got[deepest] + slope * (full[label] - deepest)
@@ -250,8 +268,9 @@ def memory_report(runs: list[dict], full: dict) -> str:
     return (f"Memory per phase on {first['device']} ({measure}; {_shape(first)} at {', '.join(map(str, layers))} "
             "layers): measured / predicted by the memory model. The slope per layer and the value at the full "
             "layer count are an extrapolation from the deepest runs, not a measurement: each phase along its own "
-            "slope, the step along the build's (its states; its transients, the units gathered and reductions in "
-            "flight, stop growing after a few blocks)\n\n"
+            "measured slope, the step along its states' (which the engine holds exactly as the memory model counts "
+            "them: tests/test_ledger_equals_model.py); its transients, the units gathered and the reductions in "
+            "flight, stop growing after a few blocks\n\n"
             + table(["preset", "phase"] + [f"{n} layers, GB" for n in layers] +
                     ["GB per layer, measured / model", "full model GB, extrapolated / model"], rows))
 
@@ -278,7 +297,7 @@ def main(argv=None) -> int:
     if args.child:
         return child(args.child)
     if args.from_json:
-        results = merged(args.from_json)
+        results = [predict_again(r) if "config" in r else r for r in merged(args.from_json)]
         text = report(results, args)
         print(text)
         if args.write:

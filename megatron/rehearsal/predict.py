@@ -47,9 +47,12 @@ def rank_ledger(spec: CommSpec, rank: int) -> dict[str, int]:
 
 
 def memory_peaks(cfg, vocab: int, spec: CommSpec, device: str) -> dict[str, int]:
-    """{phase: predicted peak bytes}: the device's terms on a GPU, the whole on a CPU."""
+    """{phase: predicted peak bytes}: the device's terms on a GPU, the whole on a CPU; and
+    ``step states``, the model states the step holds (zeropp's secondary copy included), which the
+    engine holds exactly as counted (tests/test_ledger_equals_model.py::test_memory_equals_model)."""
     peaks = predict_peak_bytes(spec, activations_from_config(cfg, vocab), autocast_copies_from_config(cfg, vocab))
-    return {phase: device_phase_bytes(terms) if device == "cuda" else terms["total"] for phase, terms in peaks.items()}
+    out = {phase: device_phase_bytes(terms) if device == "cuda" else terms["total"] for phase, terms in peaks.items()}
+    return {**out, "step states": peaks["step"].get("states", 0)}
 
 
 def extrapolate(points: dict[int, float], to_layers: int) -> tuple[float, float]:
