@@ -1,43 +1,40 @@
 """Published figure sets for the step-time model (docs/frontier-model.md, "The figures").
 
 ``nominal`` is not here: it is the topology's per-tier link figures and the device table
-(``Hardware.from_topology``). ``frontier-measured`` replaces them, for RCCL on MI250X nodes with
-Slingshot-11, with what was measured and published, each number with its source in ``SOURCES``
-and in the doc. Nothing here is fitted to arXiv 2501.04266's result, which stays the held-out
-check. Where no measurement was found the entry says what stands in for it and why.
+(``Hardware.from_topology``). The two Frontier sets replace them with RCCL as it was measured on
+Frontier (MI250X nodes, Slingshot-11) by the PCCL authors: ``frontier-measured`` from their runs
+with libfabric's rendezvous settings (FI_CXI_RDZV_THRESHOLD=0 and friends, the "clean" runs),
+``frontier-eager`` from the same runs with libfabric's default eager protocol (the "collapse"
+runs). Every curve point is a median of rows of ../shared/external/pccl-frontier's CSV, derived by
+``megatron.analytic.pccl_frontier`` (which says how) and checked against it by
+tests/test_pccl_frontier.py; the rest names its source in ``SOURCES``. Nothing here is fitted to
+arXiv 2501.04266's result, which stays the held-out check.
 
 The curves are keyed by (algorithm, group shape) and give the rate through the busiest domain of
 the slowest tier the group spans (a node when it spans nodes, else a rank) against the bytes one
 algorithm step moves (B / k: one ring step's chunk, one all-to-all message). Indexing by the step's
-bytes is what carries a measurement at 16 or 32 ranks to 384: a ring of k ranks makes k - 1 steps
-of B / k bytes, so its time grows with k at a fixed B as the steps shrink into the slow regime.
+bytes is what carries a measurement at 16 to 1024 ranks to 384: a ring of k ranks makes k - 1 steps
+of B / k bytes, so its time grows with k at a fixed B as the steps shrink into the slow regime. The
+points are bus bandwidths measured end to end, so they hold RCCL's per-step latency (the doc's
+table lists the time per step each point implies) and the curves add none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 from megatron.logging.throughput import MI250X_GCD
 from megatron.topology.algorithms import PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE, RING_REDUCE_SCATTER
 from megatron.analytic.link_curve import LinkCurve
 
 GB = 1e9
-KIB, MIB = 1024, 1024 * 1024
 
 SOURCES = {
-    "rccl-1490": "ROCm/rccl issue #1490 (2025-01-17): all_gather_perf -b 64K -e 4G -f 2 -g 1 on 4 nodes x 8 "
-                 "GCDs (32 ranks), HPE Cray EX with MI250X and Slingshot-11, aws-ofi-rccl with libfabric 1.23; "
-                 "out-of-place busbw 0.59 / 0.60 / 1.20 / 0.73 / 0.70 / 0.03 GB/s at 64 KiB / 128 KiB / 256 KiB / "
-                 "512 KiB / 1 MiB / 2 MiB, 107.5 us at 64 KiB; 'low until 16777216' (the rows above 2 MiB were "
-                 "not readable). The issue does not name the machine; the node is Frontier's.",
-    "lumi-rccl-tests": "Lumi-supercomputer/lumi-reframe-tests checks/microbenchmarks/gpu/rccl_test.py: "
-                       "all_reduce_perf on 2 nodes x 8 GCDs (16 ranks), -d half, aws-ofi-rccl, NCCL_SOCKET_IFNAME="
-                       "hsn0..3, NCCL_NET_GDR_LEVEL=3: reference busbw 85.00 GB/s at 134217728 B (an older revision: "
-                       "84.76 busbw, 45.21 algbw). LUMI-G has Frontier's node (4 MI250X, 4 x Slingshot-11).",
-    "lumi-ds-comm": "lumi-reframe-tests checks/microbenchmarks/torch/torch_comm_coll.py: DeepSpeedExamples "
-                    "communication/all_gather.py on 16 ranks, reference 775 Gbps at the 512.0 MB row, where "
-                    "DeepSpeedExamples' get_bw defines all-gather throughput as n x size / time (the gathered "
-                    "output): algbw 96.9 GB/s, busbw x 15/16 = 90.8 GB/s.",
+    "pccl-frontier": "axonn-ai/sc2025-pccl-reproducer (branch experimental, data/ at 5a6353f, 2025-02-03): the "
+                     "PCCL authors' RCCL all_gather_into_tensor / reduce_scatter_tensor through torch.distributed on "
+                     "1-128 Frontier nodes x 8 GCDs, bf16, 1-1024 MiB; as ../shared/external/pccl-frontier's CSV. "
+                     "Clean runs all_gather_3 / reduce_scatter_3 (FI_CXI_RDZV_* = 0), eager runs all_gather_2 / "
+                     "reduce_scatter_2 (the same srun line, the eager protocol on).",
     "lumi-osu": "lumi-reframe-tests checks/microbenchmarks/mpi/osu_check.py: osu_bw with GPU buffers, one rank "
                 "per node: reference 23,820 MB/s (one Slingshot-11 NIC); osu_latency 2.5 us.",
     "pearson-2302.14827": "C. Pearson, 'Interconnect Bandwidth Heterogeneity on AMD MI250x and Infinity "
@@ -51,85 +48,142 @@ SOURCES = {
 }
 
 # -- the measured points -----------------------------------------------------------------------------
+# Printed by `.venv/bin/python -m megatron.analytic.pccl_frontier` (do not edit by hand; the test
+# derives them again from the CSV): {(collective, span): ((ring step bytes, busbw GB/s, node counts
+# of the jobs whose rows' median it is), ...)}. ``node``: the one-node job, the rate per rank;
+# ``world``: jobs of 2-128 nodes, each node's egress.
+CLEAN_POINTS = {
+    ('all_gather', 'node'): (
+        (262144, 11.495, (1,)), (524288, 21.373, (1,)), (1048576, 35.397, (1,)),
+        (2097152, 55.254, (1,)), (4194304, 71.876, (1,)), (8388608, 81.686, (1,)),
+        (16777216, 88.172, (1,)), (33554432, 90.778, (1,)), (67108864, 89.842, (1,)),
+        (134217728, 89.195, (1,)),
+    ),
+    ('all_gather', 'world'): (
+        (4096, 0.39, (64,)), (8192, 0.8075, (32, 64)), (16384, 1.188, (16, 32, 64)),
+        (32768, 1.6135, (8, 16, 32, 64)), (65536, 3.118, (4, 8, 16, 32, 64)), (131072, 4.2005, (2, 4, 8, 16, 32, 64)),
+        (262144, 8.5455, (2, 4, 8, 16, 32, 64)), (524288, 16.7355, (2, 4, 8, 16, 32, 64)), (1048576, 29.865, (2, 4, 8, 16, 32, 64)),
+        (2097152, 52.3065, (2, 4, 8, 16, 32, 64)), (4194304, 70.898, (2, 4, 8, 16, 32)), (8388608, 71.5465, (2, 4, 8, 16)),
+        (16777216, 71.159, (2, 4, 8)), (33554432, 71.5085, (2, 4)), (67108864, 71.671, (2,)),
+    ),
+    ('reduce_scatter', 'node'): (
+        (262144, 14.375, (1,)), (524288, 24.332, (1,)), (1048576, 35.397, (1,)),
+        (2097152, 48.317, (1,)), (4194304, 59.446, (1,)), (8388608, 67.239, (1,)),
+        (16777216, 71.894, (1,)), (33554432, 73.98, (1,)), (67108864, 75.066, (1,)),
+        (134217728, 75.744, (1,)),
+    ),
+    ('reduce_scatter', 'world'): (
+        (2048, 0.637, (128,)), (4096, 0.7785, (64, 128)), (8192, 1.221, (32, 64, 128)),
+        (16384, 1.6435, (16, 32, 64, 128)), (32768, 1.746, (8, 16, 32, 64, 128)), (65536, 2.9945, (4, 8, 16, 32, 64, 128)),
+        (131072, 4.724, (2, 4, 8, 16, 32, 64, 128)), (262144, 9.421, (2, 4, 8, 16, 32, 64, 128)), (524288, 17.666, (2, 4, 8, 16, 32, 64, 128)),
+        (1048576, 32.847, (2, 4, 8, 16, 32, 64, 128)), (2097152, 59.654, (2, 4, 8, 16, 32, 64)), (4194304, 72.118, (2, 4, 8, 16, 32)),
+        (8388608, 75.7325, (2, 4, 8, 16)), (16777216, 78.027, (2, 4, 8)), (33554432, 78.5995, (2, 4)),
+        (67108864, 78.31, (2,)),
+    ),
+}
+EAGER_POINTS = {
+    ('all_gather', 'node'): (
+        (262144, 11.427, (1,)), (524288, 21.154, (1,)), (1048576, 35.584, (1,)),
+        (2097152, 55.415, (1,)), (4194304, 72.244, (1,)), (8388608, 83.391, (1,)),
+        (16777216, 88.968, (1,)), (33554432, 90.795, (1,)), (67108864, 90.462, (1,)),
+        (134217728, 89.867, (1,)),
+    ),
+    ('all_gather', 'world'): (
+        (2048, 0.241, (128,)), (4096, 0.1545, (64, 128)), (8192, 0.472, (32, 64, 128)),
+        (16384, 0.5825, (16, 32, 64, 128)), (32768, 0.927, (8, 16, 32, 64, 128)), (65536, 0.261, (4, 8, 16, 32, 64, 128)),
+        (131072, 0.336, (2, 4, 8, 16, 32, 64, 128)), (262144, 0.799, (2, 4, 8, 16, 32, 64, 128)), (524288, 14.795, (2, 4, 8, 16, 32, 64, 128)),
+        (1048576, 21.46, (2, 4, 8, 16, 32, 64, 128)), (2097152, 45.631, (2, 4, 8, 16, 32, 64)), (4194304, 71.26, (2, 4, 8, 16, 32)),
+        (8388608, 71.493, (2, 4, 8, 16)), (16777216, 71.885, (2, 4, 8)), (33554432, 71.326, (2,)),
+        (67108864, 71.835, (2,)),
+    ),
+    ('reduce_scatter', 'node'): (
+        (262144, 14.806, (1,)), (524288, 24.819, (1,)), (1048576, 36.342, (1,)),
+        (2097152, 49.293, (1,)), (4194304, 60.172, (1,)), (8388608, 67.339, (1,)),
+        (16777216, 71.801, (1,)), (33554432, 74.086, (1,)), (67108864, 74.748, (1,)),
+        (134217728, 75.595, (1,)),
+    ),
+    ('reduce_scatter', 'world'): (
+        (2048, 0.505, (128,)), (4096, 0.5255, (64, 128)), (8192, 1.0, (32, 64, 128)),
+        (16384, 1.138, (16, 32, 64, 128)), (32768, 1.101, (8, 16, 32, 64, 128)), (65536, 0.3025, (4, 8, 16, 32, 64, 128)),
+        (131072, 0.363, (2, 4, 8, 16, 32, 64, 128)), (262144, 0.796, (2, 4, 8, 16, 32, 64, 128)), (524288, 16.486, (2, 4, 8, 16, 32, 64, 128)),
+        (1048576, 27.902, (2, 4, 8, 16, 32, 64, 128)), (2097152, 52.7075, (2, 4, 8, 16, 32, 64)), (4194304, 72.206, (2, 4, 8, 16, 32)),
+        (8388608, 75.811, (2, 4, 8, 16)), (16777216, 77.779, (2, 4, 8)), (33554432, 78.4385, (2, 4)),
+        (67108864, 78.098, (2,)),
+    ),
+}
 
-RANKS_1490 = 32
-# (message bytes, busbw GB/s) of rccl#1490's all-gather. The 2 MiB row (70 ms, 48x the 1 MiB row's
-# time, in a thread that says performance is 'low until 16777216') is left out of the curve: one
-# run's collapse, not a rate; docs/frontier-model.md shows what keeping it would do.
-ALLGATHER_1490 = ((64 * KIB, 0.59), (128 * KIB, 0.60), (256 * KIB, 1.20), (512 * KIB, 0.73), (1 * MIB, 0.70))
-ALLGATHER_1490_LEFT_OUT = (2 * MIB, 0.03)
-LUMI_ALLREDUCE = (134217728 // 16, 85.00)      # 128 MiB on 16 ranks: 8 MiB per step
-LUMI_ALLGATHER = (512 * MIB // 16, 90.8)       # the 512 MB row on 16 ranks: at least 32 MiB per step
-STEP_LATENCY_S = 107.5e-6 / (RANKS_1490 - 1)   # rccl#1490's 64 KiB all-gather: 31 steps of 2 KiB in 107.5 us
-NIC_GBS, NICS_PER_NODE, RANKS_PER_NODE = 23.82, 4, 8
-PAIR_GBS, SINGLE_LINK_GBS = 148.0, 38.0
-ALL_TO_ALL_SLOWDOWN = 2.5                      # rccl#1206: 2-3x MPI's all-to-all; MPI taken at the NIC rate
+RANKS_PER_NODE = 8
+NIC_GBS, NICS_PER_NODE = 23.82, 4
+PAIR_GBS = 148.0
+ALL_TO_ALL_SLOWDOWN = 2.5                      # rccl#1206: 2-3x MPI's all-to-all; MPI taken at the ring's rate
 ACHIEVED_SHARE = 0.3838                        # Dash et al.'s 22B on Frontier
 
 
 @dataclass(frozen=True)
 class Assumptions:
-    """What stands in where nothing was measured, each a knob of the sensitivity chart
-    (bench/frontier_model.py); the defaults are the shipped ``frontier-measured`` set."""
-    middle: str = "interpolate"
-    """Ring steps between rccl#1490's largest (32 KiB) and LUMI's smallest (8 MiB), never measured:
-    "interpolate" (log-log between the two), "latency-bandwidth" (the 2 KiB step's latency plus the
-    8 MiB rate: the optimistic reading), "low-until-16MiB" (the issue's words: its 1 MiB rate held up
-    to 16 MiB on 32 ranks, 512 KiB steps) or "keep-2MiB" (rccl#1490's 2 MiB collapse kept as a point)."""
-    in_node_gbs: float = LUMI_ALLREDUCE[1]
-    """An in-node ring's rate per rank (85: the 2-node ring's; 38: one single Infinity Fabric link)."""
-    step_latency_s: float = STEP_LATENCY_S
-    """Per-step latency of in-node rings (rccl#1490's small steps, an upper bound)."""
+    """What stands in where the runs measured nothing, each a knob of the sensitivity chart
+    (bench/frontier_model.py); the defaults are the shipped sets."""
     all_to_all_slowdown: float = ALL_TO_ALL_SLOWDOWN
-    """RCCL's all-to-all across nodes against the ring's rate (rccl#1206: 2-3x)."""
-    nic_gbs: float = NIC_GBS
+    """RCCL's all-to-all across nodes against the all-gather ring's rate (rccl#1206: 2-3x)."""
+    cross_cap_gbs: Optional[float] = None
+    """A node's egress when its 8 ranks run 8 cross rings side by side, GB/s. None: the plateau of
+    the same runs' world ring (the most a node sent in any of them); lumi-osu x 4 NICs = 95.3."""
+    world_scale: float = 1.0
+    """Every world-ring rate multiplied by this (what the world curve's level is worth)."""
+    node_scale: float = 1.0
+    """Every in-node ring rate multiplied by this."""
 
 
-def world_ring_points(assume: Assumptions = Assumptions()) -> tuple:
-    """A ring through every node (several ranks per node): rccl#1490's small steps, LUMI's large ones."""
-    small = [(nbytes // RANKS_1490, gbs * GB) for nbytes, gbs in ALLGATHER_1490]
-    large = [(LUMI_ALLREDUCE[0], LUMI_ALLREDUCE[1] * GB), (LUMI_ALLGATHER[0], LUMI_ALLGATHER[1] * GB)]
-    if assume.middle == "keep-2MiB":
-        small.append((ALLGATHER_1490_LEFT_OUT[0] // RANKS_1490, ALLGATHER_1490_LEFT_OUT[1] * GB))
-    elif assume.middle == "latency-bandwidth":  # steps above 32 KiB at latency + bytes / the 8 MiB rate
-        latency, rate = STEP_LATENCY_S, large[0][1]
-        small += [(step, step / (latency + step / rate)) for step in (2 ** e for e in range(16, 23))]
-    elif assume.middle == "low-until-16MiB":
-        small.append((16 * MIB // RANKS_1490, ALLGATHER_1490[-1][1] * GB))
-    elif assume.middle != "interpolate":
-        raise ValueError(f"unknown assumption middle={assume.middle!r}")
-    return tuple(small + large)
+def measured_curve(points, source: str, scale: float = 1.0) -> LinkCurve:
+    """A curve of (step bytes, busbw GB/s, ...) points: end-to-end rates, so no added latency."""
+    return LinkCurve(tuple((step, gbs * GB * scale) for step, gbs, *_ in points), 0.0, source)
 
 
-def cross_ring_points(assume: Assumptions = Assumptions()) -> tuple:
-    """One rank per node, the node's 8 ranks side by side: a step is an inter-node hop, no faster than
-    the world ring's inter-node hop at the same step bytes, and the node's 4 NICs carry its 8 rings at
-    once (osu_bw's per-NIC rate, x 4). Rates per node."""
-    nic = assume.nic_gbs * NICS_PER_NODE * GB
-    return tuple((step, min(RANKS_PER_NODE * rate, nic)) for step, rate in world_ring_points(assume))
+def ring_allreduce_curve(rs: LinkCurve, ag: LinkCurve) -> LinkCurve:
+    """A ring all-reduce is a reduce-scatter then an all-gather of the same steps: at step bytes s it
+    takes s / r_rs + s / r_ag per step pair, so its one rate over twice the steps is their harmonic
+    mean, at every step size either curve measured."""
+    steps = sorted({s for s, _ in rs.points} | {s for s, _ in ag.points})
+    return LinkCurve(tuple((s, 2.0 / (1.0 / rs.bandwidth(s) + 1.0 / ag.bandwidth(s))) for s in steps), 0.0,
+                     f"{rs.source} then {ag.source}")
 
 
-def frontier_curves(assume: Assumptions = Assumptions()) -> dict:
-    """{(algorithm, shape): LinkCurve} of the ``frontier-measured`` set under ``assume``."""
-    world = LinkCurve(world_ring_points(assume), 0.0, "rccl-1490 (steps <= 32 KiB), lumi-rccl-tests, lumi-ds-comm")
-    cross = LinkCurve(cross_ring_points(assume), 0.0, "world ring per inter-node hop, capped by lumi-osu x 4 NICs")
-    # In the node: no RCCL in-node ring was found measured. A 2-node world ring passes in-node hops at
-    # 85 GB/s (lumi-rccl-tests), which bounds an in-node ring from below; RCCL's step latency is
-    # rccl#1490's (its small steps include an inter-node hop, so this bounds the in-node one from above).
-    node = LinkCurve(((1.0, assume.in_node_gbs * GB),), assume.step_latency_s,
-                     "lumi-rccl-tests (85 GB/s), rccl-1490 latency")
-    pair = LinkCurve(((1.0, PAIR_GBS * GB),), assume.step_latency_s, "pearson-2302.14827 (148 GB/s), rccl-1490 latency")
+def cross_curve(world: LinkCurve, cap: float) -> LinkCurve:
+    """One rank per node, the node's 8 ranks side by side in 8 rings: a step is an inter-node hop,
+    no faster than the world ring's at the same step bytes, and the node's egress is capped (per node)."""
+    return LinkCurve(tuple((s, min(RANKS_PER_NODE * r, cap)) for s, r in world.points), 0.0,
+                     f"{world.source}, 8 rings per node, capped at {cap / GB:.1f} GB/s")
+
+
+def frontier_curves(points: Mapping, assume: Assumptions = Assumptions(), label: str = "pccl-frontier") -> dict:
+    """{(algorithm, shape): LinkCurve} of one regime's ``points`` (CLEAN_POINTS, EAGER_POINTS, or a
+    reading of the CSV from ``pccl_frontier.derive``) under ``assume``."""
+    ag = measured_curve(points[("all_gather", "world")], f"{label} all-gather", assume.world_scale)
+    rs = measured_curve(points[("reduce_scatter", "world")], f"{label} reduce-scatter", assume.world_scale)
+    node_ag = measured_curve(points[("all_gather", "node")], f"{label} all-gather, 1 node", assume.node_scale)
+    node_rs = measured_curve(points[("reduce_scatter", "node")], f"{label} reduce-scatter, 1 node", assume.node_scale)
+    world = {RING_ALLGATHER: ag, RING_REDUCE_SCATTER: rs}
+    cross = {a: cross_curve(c, assume.cross_cap_gbs * GB if assume.cross_cap_gbs else max(r for _, r in c.points))
+             for a, c in world.items()}
+    node = {RING_ALLGATHER: node_ag, RING_REDUCE_SCATTER: node_rs}
+    for table in (world, cross, node):
+        table[RING_ALLREDUCE] = ring_allreduce_curve(table[RING_REDUCE_SCATTER], table[RING_ALLGATHER])
+    # The GCD pair: no RCCL pair ring in the runs. Pearson's 148 GB/s, with the one-node all-gather's
+    # smallest step's time as its per-step latency (an upper bound: that time includes the bytes).
+    first_step, first_rate = node_ag.points[0]
+    pair = LinkCurve(((1.0, PAIR_GBS * GB),), first_step / first_rate,
+                     f"pearson-2302.14827 (148 GB/s), {label} 1-node latency")
     out = {}
     for algorithm in (RING_ALLGATHER, RING_REDUCE_SCATTER, RING_ALLREDUCE):
-        out.update({(algorithm, "world"): world, (algorithm, "cross"): cross, (algorithm, "node"): node,
-                    (algorithm, "pair"): pair})
-    # Across nodes RCCL's all-to-all runs at 1 / 2.5 of the ring's rate (rccl-1206's 2-3x MPI, with MPI
-    # taken at the ring's rate); in the node no all-to-all figure was found: the ring's.
-    for shape, ring in (("world", world), ("cross", cross)):
+        out.update({(algorithm, "world"): world[algorithm], (algorithm, "cross"): cross[algorithm],
+                    (algorithm, "node"): node[algorithm], (algorithm, "pair"): pair})
+    # Across nodes RCCL's all-to-all runs at 1 / 2.5 of the all-gather ring's rate (rccl-1206's 2-3x
+    # MPI, with MPI taken at the ring's rate); in the node no all-to-all figure was found: the ring's.
+    for shape, ring in (("world", world[RING_ALLGATHER]), ("cross", cross[RING_ALLGATHER])):
         out[(PAIRWISE_ALL_TO_ALL, shape)] = LinkCurve(
             tuple((c, r / assume.all_to_all_slowdown) for c, r in ring.points), 0.0,
             ring.source + f"; rccl-1206 (/ {assume.all_to_all_slowdown:g})")
-    out.update({(PAIRWISE_ALL_TO_ALL, "node"): node, (PAIRWISE_ALL_TO_ALL, "pair"): pair})
+    out.update({(PAIRWISE_ALL_TO_ALL, "node"): node_ag, (PAIRWISE_ALL_TO_ALL, "pair"): pair})
     return out
 
 
@@ -143,9 +197,15 @@ class FigureSet:
     """Device fields replaced (``hardware.Device``)."""
 
 
+_DEVICE_RATES = {"achieved_flops": ACHIEVED_SHARE * MI250X_GCD["bfloat16"]}
 FIGURE_SETS = {
     "frontier-measured": FigureSet(
-        "published RCCL on MI250X + Slingshot-11 measurements, docs/frontier-model.md",
-        frontier_curves(), {"achieved_flops": ACHIEVED_SHARE * MI250X_GCD["bfloat16"]}),
+        "published RCCL timings on Frontier with libfabric's rendezvous settings, docs/frontier-model.md",
+        frontier_curves(CLEAN_POINTS), _DEVICE_RATES),
+    "frontier-eager": FigureSet(
+        "published RCCL timings on Frontier with libfabric's default eager protocol, docs/frontier-model.md",
+        frontier_curves(EAGER_POINTS), _DEVICE_RATES),
 }
 FIGURE_SET_NAMES = ("nominal", *FIGURE_SETS)
+POINTS_OF = {"frontier-measured": CLEAN_POINTS, "frontier-eager": EAGER_POINTS}
+"""The measured points each Frontier set is built from (the sensitivity runs rebuild it)."""

@@ -242,8 +242,8 @@ class TopologyConfig:
                                    key="topology.simulate")
     link_figures: Optional[str] = doc(None, "A link probe JSON (tools/probe_links.py, or written by hand: docs/time_model.md) whose per-tier bandwidths and latencies, per-(algorithm, group shape) curves, per-algorithm figures and device rates replace those of topology.figure_set in the step-time model (the planner of zero_optimization.plan auto, deepy --dry-run).",
                                       key="topology.link_figures")
-    figure_set: str = doc("auto", "The step-time model's starting figures (docs/frontier-model.md): nominal (the topology's per-tier link figures and the device table), frontier-measured (published RCCL measurements on MI250X + Slingshot-11, megatron/analytic/figure_sets.py), or auto: frontier-measured on topology.preset frontier, nominal elsewhere. topology.link_figures applies on top.",
-                          key="topology.figure_set", choices=("auto", "nominal", "frontier-measured"))
+    figure_set: str = doc("auto", "The step-time model's starting figures (docs/frontier-model.md): nominal (the topology's per-tier link figures and the device table), frontier-measured (published RCCL timings on Frontier with libfabric's rendezvous settings, megatron/analytic/figure_sets.py), frontier-eager (the same with libfabric's default eager protocol), or auto: frontier-measured on topology.preset frontier, nominal elsewhere. topology.link_figures applies on top.",
+                          key="topology.figure_set", choices=("auto", "nominal", "frontier-measured", "frontier-eager"))
     layout: Optional[list] = doc(None, "Derived: ranks per tier, slowest first (simulate, or the preset over launcher.num_nodes / Slurm's node count, or under launcher slurm without a preset the allocation's nodes x tasks (or GPUs) per node); None for one process.",
                                  key="topology.layout", derived=True)
     world_size: Optional[int] = doc(None, "Derived: product of the layout (1 when none).",
