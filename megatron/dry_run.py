@@ -13,6 +13,7 @@ import shlex
 from typing import Mapping, Optional, Sequence
 
 from megatron.config import NeoXConfig, world_size_of
+from megatron.config.validate import uses_gpus
 from megatron.launch.launcher import LaunchPlan, slurm_hosts
 from megatron.topology import ShardLayout, Topology
 from megatron.topology.names import TIERS
@@ -33,7 +34,8 @@ def render_dry_run(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str], pa
     lines = ["deepy dry run: nothing was started and nothing was written.", ""]
     lines += _launch_section(cfg, plan, env)
     topology = Topology.from_config(cfg, world_size_of(cfg))
-    lines += [""] + _layout_section(cfg, topology, slurm_hosts(env) if plan.kind == "slurm" else [])
+    lines += [""] + _layout_section(cfg, topology, slurm_hosts(env) if plan.kind == "slurm" else [],
+                                    on_gpus=uses_gpus(cfg, env))
     if cfg.zero.plan == "auto" and padded_vocab is None:
         lines += ["", "sharding: chosen at start-up by zero_optimization.plan auto; the vocabulary is unknown here, "
                   "so the plan cannot be shown (set vocab_size, or make vocab_file readable)"]
@@ -69,7 +71,7 @@ def _launch_section(cfg: NeoXConfig, plan: LaunchPlan, env: Mapping[str, str]) -
     alloc = allocation_from_env(env)
     where = "this machine"
     if alloc is not None:
-        where = f"inside Slurm job {alloc.job_id}: {alloc.describe(uses_gpus=cfg.training.device != 'cpu')}"
+        where = f"inside Slurm job {alloc.job_id}: {alloc.describe(uses_gpus=uses_gpus(cfg, env))}"
     lines.append(f"launcher: {plan.kind} ({where})")
     lines += [f"note: {note}" for note in plan.notes]
     if plan.kind == "local" and len(plan.commands) > 1:
@@ -88,9 +90,11 @@ def _changed(base: Mapping[str, str], env: Mapping[str, str]) -> list[tuple[str,
     return sorted((k, v) for k, v in env.items() if base.get(k) != v)
 
 
-def _layout_section(cfg: NeoXConfig, topology: Topology, hosts: Sequence[str]) -> list[str]:
+def _layout_section(cfg: NeoXConfig, topology: Topology, hosts: Sequence[str], on_gpus: bool) -> list[str]:
     n, per_node = topology.world_size, topology.ranks_per_node
-    tiers = " x ".join(f"{t.size} {_tier_noun(t.name)}" for t in reversed(topology.tiers))
+    # A simulated layout names its tiers as the machine it stands for; a real CPU run has no GPUs.
+    gpu_nouns = on_gpus or cfg.topology.simulate is not None
+    tiers = " x ".join(f"{t.size} {_tier_noun(t.name, gpu_nouns)}" for t in reversed(topology.tiers))
     lines = [f"world size: {n} rank{'s' if n != 1 else ''} = {tiers} ({topology.name}); {per_node} rank(s) per node"]
     if topology.num_tiers == 3:
         formula = f"rank = node x {per_node} + gpu x {topology.gcds_per_gpu} + gcd"
@@ -117,7 +121,9 @@ def _layout_section(cfg: NeoXConfig, topology: Topology, hosts: Sequence[str]) -
     return lines
 
 
-def _tier_noun(name: str) -> str:
+def _tier_noun(name: str, gpus: bool = True) -> str:
+    if not gpus and name == "intra_node":
+        return "ranks per node"
     return {"inter_node": "nodes", "intra_node": "GPUs", "intra_gpu": "GCDs"}[name]
 
 

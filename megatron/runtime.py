@@ -18,7 +18,7 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -177,10 +177,17 @@ def barrier_kwargs(backend: str, device: torch.device) -> dict:
     return {}
 
 
-def _env_int(*names: str, default: int) -> int:
+def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
+    """The first of `names` set to something in `env`; an empty value counts as unset (a job
+    script's `WORLD_SIZE=` must not hide Slurm's SLURM_NTASKS), a value that is no number is one line."""
     for name in names:
-        if name in os.environ:
-            return int(os.environ[name])
+        raw = (env.get(name) or "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={env[name]!r} is not a number; "
+                                  "unset it or give the rank count") from None
     return default
 
 
@@ -199,10 +206,13 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def launched_as() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun-style or Slurm variables; (0, 1, 0) when alone."""
-    return (_env_int("RANK", "SLURM_PROCID", default=0), _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1),
-            _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
+def launched_as(env: Optional[Mapping[str, str]] = None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun-style or, under srun, Slurm's variables
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); (0, 1, 0) when alone. The one place a process
+    learns it is a launched rank (train.py, tools/probe_links.py)."""
+    env = os.environ if env is None else env
+    return (_env_int(env, "RANK", "SLURM_PROCID", default=0), _env_int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1),
+            _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0))
 
 
 def init_runtime(cfg) -> Runtime:

@@ -49,7 +49,9 @@ def test_dry_run_of_the_20B_inside_a_two_node_frontier_allocation(tmp_path):
     assert "world size: 16 ranks = 2 nodes x 4 GPUs x 2 GCDs (frontier); 8 rank(s) per node" in out
     # Rank mapping: rank = node x 8 + gpu x 2 + gcd; rank 5 is node 0, GPU 2, GCD 1.
     assert re.search(r"^\s+5\s+0\s+2\s+1$", out, re.M)
-    assert "MASTER_PORT=29500" in out and "FI_MR_CACHE_MONITOR=kdreg2" in out
+    # The port follows the job (20000 + 777 mod 10000); Frontier's libfabric settings and a node-local Triton cache.
+    assert "MASTER_PORT=20777" in out and "FI_MR_CACHE_MONITOR=kdreg2" in out and "FI_CXI_RDZV_EAGER_SIZE=0" in out
+    assert re.search(r"^  TRITON_CACHE_DIR=/tmp/triton-\S+-777$", out, re.M)
     # Groups and the tier each spans, for (w, g, os) = (2, 8, 16).
     assert "(w, g, os) = (2, 8, 16) on N = 16" in out
     assert re.search(r"weight\s+group of\s+2: .*spans intra_gpu; rank 0's: \{0, 1\}", out)
@@ -99,7 +101,18 @@ def test_slurm_launcher_without_a_topology_takes_the_layout_from_the_allocation(
     proc = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}", env_extra=slurm_job(3, per_node=4))
     assert proc.returncode == 0, proc.stderr
     assert "srun --nodes=3 --ntasks=12 --ntasks-per-node=4" in proc.stdout
-    assert "world size: 12 ranks = 3 nodes x 4 GPUs" in proc.stdout
+    # `device: auto` in an allocation that names no GPUs: the GPUs this machine sees decide (none on a
+    # CPU-only Slurm, where --gpus-per-task=1 is refused and the dry run used to say "4 GPUs").
+    from megatron.topology.allocation import visible_gpu_count
+    on_gpus = visible_gpu_count() > 0
+    assert ("--gpus-per-task=1" in proc.stdout) == on_gpus
+    assert f"world size: 12 ranks = 3 nodes x 4 {'GPUs' if on_gpus else 'ranks per node'}" in proc.stdout
+    # The allocation's word wins either way: GPUs given, or none (`sbatch --gpus-per-node=0`).
+    given = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}", env_extra=slurm_job(3, per_node=4, gpus=4))
+    assert "--gpus-per-task=1 --gpu-bind=closest" in given.stdout and "3 nodes x 4 GPUs" in given.stdout, given.stderr
+    none = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}",
+                 env_extra={**slurm_job(3, per_node=4), "SLURM_GPUS_PER_NODE": "0"})
+    assert "--gpus-per-task" not in none.stdout and "3 nodes x 4 ranks per node" in none.stdout, none.stderr
     unknown = deepy("--dry-run", str(cfg_file), env_extra=slurm_job(3))
     assert unknown.returncode == 2 and "does not fix the ranks per node" in unknown.stderr
 

@@ -123,10 +123,14 @@ def test_frontier_script_trains_the_tiny_model_through_the_slurm_launcher(tmp_pa
                                   "MASTER_PORT": str(port)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     calls = srun_calls(fake_slurm)
-    # env.sh makes the node-local MIOpen cache folder on every node, then deepy execs the training step.
-    assert calls[0] == ["--nodes=2", "--ntasks-per-node=1", "mkdir", "-p", "/tmp/miopen-"
-                        + os.environ.get("USER", "neox") + "-4242"]
-    train = calls[-1]
+    # env.sh makes the node-local cache folders with one task per node (counted: -n too, or the step
+    # inherits the job's 4 tasks), deepy execs the training step, and the folders go at the end.
+    user = os.environ.get("USER") or "neox"
+    caches = [f"/tmp/miopen-{user}-4242", f"/tmp/triton-{user}-4242"]
+    assert calls[0] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "mkdir", "-p", *caches]
+    assert calls[-1] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "rm", "-rf", *caches]
+    assert not any(Path(c).exists() for c in caches)
+    train = calls[-2]
     assert train[:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=block",
                          "--kill-on-bad-exit=1"]
     assert train[5:8] == [str(Path(sys.prefix) / "bin" / "python"), "train.py", "--neox-config-json"]
@@ -157,7 +161,8 @@ def test_job_scripts_requeue_exactly_when_the_run_stopped_and_saved(tmp_path, ti
                                   "STUB_SRUN_EXIT": str(code),
                                   "LOSS_CURVES_DIR": str(tmp_path / "runs")})  # loss_curves.sbatch's runs
     assert proc.returncode == code, proc.stderr[-3000:]
-    assert srun_calls(fake_slurm)[-1][5:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
+    trains = [call for call in srun_calls(fake_slurm) if "train.py" in call]
+    assert len(trains) == 1 and trains[0][5:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
     requeued = fake_slurm["scontrol_log"].read_text() if fake_slurm["scontrol_log"].exists() else ""
     assert requeued == ("requeue 4242\n" if code == STOPPED_SAVED else "")
     for option in ("--requeue", "--open-mode=append"):  # requeueable; the same job id appends its output

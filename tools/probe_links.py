@@ -4,10 +4,15 @@
     # on the emulated cluster: 2 nodes x 2 GPUs x 2 GCDs, one process per rank
     python tools/emulate_cluster.py --nodes 2 --ranks-per-node 4 --rate 300mbit --command \\
         ".venv/bin/python tools/probe_links.py --layout 2 2 2 --out /tmp/probe.json"
-    # on Frontier, inside an allocation of 8 nodes (srun sets RANK/WORLD_SIZE via the sbatch's env)
-    srun ... python tools/probe_links.py --layout 8 4 2 --dtype bf16 --model 2 6144 64 2048 50432 4 --out probe.json
+    # on Frontier, inside an allocation of 8 nodes (after `source tools/slurm/frontier/env.sh`)
+    srun -N 8 -n 64 -c7 --gpus-per-task=1 --gpu-bind=closest python tools/probe_links.py --layout 8 4 2 \\
+        --dtype bf16 --model 2 6144 64 2048 50432 4 --out probe.json
 
-Every rank runs it (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). For each tier it
+Every rank runs it (env:// rendezvous). Rank, world size and local rank are read as the trainer reads
+them (RANK / WORLD_SIZE / LOCAL_RANK, else srun's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID); under
+srun MASTER_ADDR / MASTER_PORT default to the allocation's first host and the job's port, as deepy's
+slurm launcher sets them; each rank takes the trainer's device (under --gpus-per-task=1, the one
+GPU its task sees). For each tier it
 makes the *band* groups (the ranks that differ only in that tier's digit: the GCD pairs, the GPUs of
 a node, one rank per node) and times, in all of them at once and through the engine's own
 ``Communicator``, an all-gather, a reduce-scatter, an all-to-all and an all-reduce of a few buffer
@@ -55,6 +60,8 @@ from megatron.topology.names import TIERS_BY_DEPTH
 from megatron.model.sizes import unit_flops_per_token
 from megatron.analytic.hardware import PROBE_FORMAT, group_shape
 from megatron.analytic.time_model import algorithm_of, footprint
+from megatron.launch.launcher import slurm_rendezvous
+from megatron.runtime import launched_as, pick_device
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")  # megatron.topology.names' spellings
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -341,17 +348,21 @@ def run_probe(args: argparse.Namespace, rank: int, device: torch.device, backend
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Started by deepy's local launcher, torchrun or plain srun alike: the runtime's reading of RANK /
+    # WORLD_SIZE / LOCAL_RANK, else Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
+    rank, world, local_rank = launched_as()
     if math.prod(args.layout) != world:
-        print(f"probe_links: --layout {args.layout} has {math.prod(args.layout)} ranks, WORLD_SIZE is {world}",
+        print(f"probe_links: --layout {args.layout} has {math.prod(args.layout)} ranks, but {world} were started",
               file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # one core per rank, as the emulated cluster's ranks train
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    # The trainer's choice: LOCAL_RANK modulo the GPUs this task sees (one, device 0, under srun
+    # --gpus-per-task=1; cuda:$LOCAL_RANK there does not exist).
+    device = pick_device("auto", local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    for key, value in slurm_rendezvous(os.environ).items():  # under plain srun, as deepy's srun line has them
+        os.environ.setdefault(key, value)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout_s))
     run_probe(args, rank, device, backend, argv)

@@ -1,19 +1,21 @@
 """Cross-field validation and the values derived once: layout and world size, batch triple, padded
 vocabulary, warmup iterations, precision, defaults that depend on other keys, and ZeRO factors.
 
-Nothing here reads a data, tokenizer or checkpoint file or touches a device; the only outside input
-is the Slurm allocation (megatron/topology/allocation.py): the node count of a topology preset
-(launcher.num_nodes, else Slurm's variables, else 1) and, under launcher slurm, its task counts.
+Nothing here reads a data, tokenizer or checkpoint file; the only outside input is the Slurm
+allocation (megatron/topology/allocation.py): the node count of a topology preset (launcher.num_nodes,
+else Slurm's variables, else 1) and, under launcher slurm, its task and GPU counts; only when those
+and the preset leave `device: auto` open is torch asked how many GPUs it sees (`uses_gpus`).
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from megatron.config.errors import ConfigError, config_error
 from megatron.config.routing import GROUPS, Routed, yaml_key_of
 from megatron.config.schema import NeoXConfig
-from megatron.topology.allocation import NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch
+from megatron.topology.allocation import (NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch,
+                                          run_uses_gpus, visible_gpu_count)
 from megatron.topology.layout import SINGLE_PROCESS, ZEROPP, ShardLayout
 from megatron.config.quant_spec import QuantSpec
 from megatron.topology.errors import TopologyError
@@ -223,7 +225,7 @@ def _layout(cfg: NeoXConfig, ctx: _Context, env) -> None:
     elif t.preset == "sim":
         raise ctx.error("topology.preset", "'sim' needs topology.simulate", "add simulate: [nodes, gpus, gcds], e.g. [2, 2, 2]")
     elif cfg.launcher.launcher == "slurm" and slurm_allocation(env) is not None:
-        t.layout = _allocation_layout(cfg, ctx, slurm_allocation(env))
+        t.layout = _allocation_layout(cfg, ctx, slurm_allocation(env), env)
     else:
         t.layout = None
     if cfg.launcher.num_nodes == 0 or cfg.launcher.num_nodes < -1:
@@ -239,12 +241,21 @@ def slurm_allocation(env: Mapping[str, str]) -> Optional[SlurmAllocation]:
         raise ConfigError(str(err)) from None
 
 
-def _allocation_layout(cfg: NeoXConfig, ctx: _Context, alloc: SlurmAllocation) -> list:
+def uses_gpus(cfg: NeoXConfig, env: Mapping[str, str], visible_gpus: Callable[[], int] = visible_gpu_count) -> bool:
+    """Whether the run has one rank per GPU, which srun binds (megatron/topology/allocation.py:
+    run_uses_gpus): `device`, else under launcher slurm the allocation's GPUs, else the preset,
+    else the GPUs torch sees."""
+    alloc = slurm_allocation(env) if cfg.launcher.launcher == "slurm" else None
+    return run_uses_gpus(cfg.training.device, cfg.topology.preset, alloc, visible_gpus)
+
+
+def _allocation_layout(cfg: NeoXConfig, ctx: _Context, alloc: SlurmAllocation, env: Mapping[str, str]) -> list:
     """launcher slurm without a topology: two tiers, nodes x ranks per node, from the allocation."""
-    per_node = alloc.ranks_per_node(uses_gpus=cfg.training.device != "cpu")
+    gpus = uses_gpus(cfg, env)
+    per_node = alloc.ranks_per_node(uses_gpus=gpus)
     if per_node is None:
         raise ctx.error("topology.preset", f"is unset and the allocation does not fix the ranks per node "
-                        f"({alloc.describe(uses_gpus=cfg.training.device != 'cpu')})",
+                        f"({alloc.describe(uses_gpus=gpus)})",
                         "set a topology preset (frontier, dgx) or submit with --ntasks-per-node")
     nodes = cfg.launcher.num_nodes if cfg.launcher.num_nodes > 0 else (alloc.nodes or 1)
     return [nodes, per_node]
@@ -392,10 +403,10 @@ def launch_environment_error(cfg: NeoXConfig, env: Mapping[str, str]) -> Optiona
                     f"{name}={given}; make topology match the allocation (simulate, or the preset's node count)")
     alloc = slurm_allocation(env) if cfg.launcher.launcher == "slurm" else None
     if alloc is not None:
-        uses_gpus = cfg.training.device != "cpu"
-        needs = layout_mismatch(cfg.topology.layout, alloc, uses_gpus)
+        gpus = uses_gpus(cfg, env)
+        needs = layout_mismatch(cfg.topology.layout, alloc, gpus)
         if needs:
-            return (f"the Slurm allocation (job {alloc.job_id}) has {alloc.describe(uses_gpus)} but the config's "
+            return (f"the Slurm allocation (job {alloc.job_id}) has {alloc.describe(gpus)} but the config's "
                     f"layout {cfg.topology.layout or [1]} needs {needs}; submit with a matching "
                     "-N/--ntasks-per-node, or change topology/num_nodes")
     return None

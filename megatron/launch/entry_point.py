@@ -12,8 +12,9 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
+from megatron.config import ConfigError
 from megatron.launch.rank_guard import guard_rank
 
 
@@ -35,15 +36,30 @@ def run_script(work: Callable[[str], int], description: Optional[str] = None,
     return code
 
 
-def leave_without_gloo_teardown(code: int) -> None:
+def leave_without_gloo_teardown(code: int, env: Optional[Mapping[str, str]] = None,
+                                exit_now: Callable[[int], None] = os._exit) -> None:
     """Once a process group exists, exit without the interpreter's C++ teardown: gloo's threads, still
     referenced by Python objects, intermittently abort there ("terminate called without an active
     exception", exit 134), after a good run and after an error alike, which would hide the real code
-    (seen here at 8 ranks, and on the 2-rank diverging-run test under CI load)."""
-    import torch.distributed as dist
+    (seen here at 8 ranks, and on the 2-rank diverging-run test under CI load).
 
-    in_a_group = (dist.is_available() and dist.is_initialized()) or os.environ.get("WORLD_SIZE", "1") != "1"
-    if in_a_group:
+    By then `runtime.close()` has destroyed the group, so a launched rank is also recognised by its
+    launcher's variables, read as the runtime reads them (`launched_as`: WORLD_SIZE, or under srun
+    SLURM_NTASKS). Reading WORLD_SIZE alone missed every srun task: those left through the teardown,
+    slowly or by SIGABRT, and srun's --kill-on-bad-exit then ended their peers (143 instead of 75)."""
+    if in_a_launched_group(os.environ if env is None else env):
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
+
+
+def in_a_launched_group(env: Mapping[str, str]) -> bool:
+    import torch.distributed as dist
+    from megatron.runtime import launched_as
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    try:
+        return launched_as(env)[1] > 1
+    except ConfigError:  # an unreadable count: the work has said so in one line; leave the hard way
+        return True

@@ -9,9 +9,9 @@
   through here line by line (megatron/launch/rank_output.py: to the console, and in full to a log file per
   rank); a failure ends with the first failed rank's error, once, and one line per other rank
   (megatron/launch/failure_report.py).
-- slurm: an `srun` command line (block distribution, one GPU per task bound to the closest
-  cores, `-c7` on Frontier), executed in place of this process inside the allocation; tasks get
-  NEOX_TOPO_EXIT_WITH_PARENT=any.
+- slurm: an `srun` command line (block distribution; for a GPU run one GPU per task bound to the
+  closest cores; `-c7` on Frontier), executed in place of this process inside the allocation; tasks
+  get NEOX_TOPO_EXIT_WITH_PARENT=any and MASTER_PORT from the job id (`job_master_port`).
 - hostfile: DeepSpeed's launcher (`deepspeed --hostfile ...`), executed in place of this process.
 The command builders are pure functions so they can be tested without a cluster.
 """
@@ -26,28 +26,54 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from megatron.config import ConfigError, NeoXConfig, world_size_of
+from megatron.config.validate import uses_gpus
 from megatron.launch.failure_report import RankEnd, headline, how_it_ended, root_cause, where_it_was, where_the_logs_are
 from megatron.launch.rank_guard import EXIT_WITH_PARENT
 from megatron.launch.rank_output import RankOutput
 from megatron.launch.exit_codes import STOP_CODES
 from megatron.launch.spawner import PIPE, RankCommand, RankExit, RankProcesses, exit_code_of
 
-DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_PORT = 29500  # torchrun's; DeepSpeed's launcher and a Slurm run outside a job
+# A Slurm job's rendezvous port: JOB_PORT_BASE + job id mod JOB_PORT_SPAN, below Linux's ephemeral
+# range (32768-60999), so the OS never lends it to an outgoing connection, and different for any two
+# jobs whose ids differ by less than the span (two jobs sharing a node each get their own).
+JOB_PORT_BASE, JOB_PORT_SPAN = 20000, 10000
 MALLOC_MMAP_THRESHOLD = "1048576"  # bytes: what the local launcher gives its ranks (local_rank_env says why)
-# Frontier settings from OLCF's documentation; applied only where the environment has none.
+# Frontier's RCCL/libfabric settings, applied only where the environment has none; the same values as
+# tools/slurm/frontier/env.sh (tests/test_slurm_jobs.py compares them). Sources (docs/launch.md):
+# [OLCF] OLCF, "PyTorch on Frontier" (docs.olcf.ornl.gov/software/python/pytorch_frontier.html);
+# [HPE] HPE, "HPE Slingshot Application Note: Running RCCL-Based Applications"
+#       (github.com/HewlettPackard/shs-ccl-docs, rccl/rccl_tuning_guide.md and ccl_env.sh);
+# [PCCL] the PCCL authors' Frontier runs (axonn-ai/sc2025-pccl-reproducer run.sh, commit 5a6353f).
 FRONTIER_ENV = {
-    "NCCL_SOCKET_IFNAME": "hsn0",
-    "NCCL_CROSS_NIC": "1",
-    "NCCL_NET_GDR_LEVEL": "PHB",
-    "FI_MR_CACHE_MONITOR": "kdreg2",
-    "FI_CXI_DISABLE_HOST_REGISTER": "1",
-    "HSA_FORCE_FINE_GRAIN_PCIE": "1",
+    "NCCL_SOCKET_IFNAME": "hsn0",  # [OLCF] RCCL's bootstrap on the Slingshot interface
+    "NCCL_CROSS_NIC": "1",  # [OLCF, HPE] rings may span NICs: better on large systems
+    "NCCL_NET_GDR_LEVEL": "PHB",  # [HPE] GPU-NIC RDMA
+    "FI_MR_CACHE_MONITOR": "kdreg2",  # [HPE] one of its two memory-registration monitors (userfaultfd the other)
+    "FI_CXI_DISABLE_HOST_REGISTER": "1",  # [HPE] avoids ROCm allocation calls that can deadlock RCCL
+    "HSA_FORCE_FINE_GRAIN_PCIE": "1",  # [HPE] peer access to the large BAR
+    # [HPE, PCCL] no eager sends: every message waits for its receiver (rendezvous). Without these, world
+    # all-gathers and reduce-scatters with 64-256 KiB chunks per rank took 10 ms-1.6 s per call in
+    # the PCCL runs; with them the rate rose smoothly with size (docs/launch.md).
+    "FI_CXI_RDZV_THRESHOLD": "0",
+    "FI_CXI_RDZV_GET_MIN": "0",
+    "FI_CXI_RDZV_EAGER_SIZE": "0",
+    "FI_CXI_DEFAULT_CQ_SIZE": "131072",  # [HPE] larger completion queues for large jobs
+    "FI_CXI_DEFAULT_TX_SIZE": "2048",  # [HPE] for jobs that depend on unexpected rendezvous messages
+    "FI_CXI_RX_MATCH_MODE": "hybrid",  # [HPE] fall back to software matching when hardware runs out
 }
+
+
+def node_local_cache(kind: str, env: Mapping[str, str]) -> str:
+    """/tmp/<kind>-<user>-<job id>: a cache folder on each node's own disk (a shared home or Lustre
+    folder serialises every rank on its lock); the same name env.sh makes and removes."""
+    return f"/tmp/{kind}-{env.get('USER') or 'neox'}-{env.get('SLURM_JOB_ID') or '0'}"
 
 
 def ranks_per_node(cfg: NeoXConfig) -> int:
@@ -208,12 +234,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 # --- Slurm -----------------------------------------------------------------------------------------
 
-def srun_command(cfg: NeoXConfig, rank_command: Sequence[str]) -> list[str]:
-    """`srun` for the layout: block distribution so consecutive ranks share a node (and a GPU)."""
+def srun_command(cfg: NeoXConfig, rank_command: Sequence[str], env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """`srun` for the layout: block distribution so consecutive ranks share a node (and a GPU); one
+    GPU per task only for a GPU run (validate.uses_gpus: on a CPU-only allocation Slurm refuses
+    --gpus-per-task)."""
     nodes, per_node = num_nodes(cfg), ranks_per_node(cfg)
     cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes * per_node}", f"--ntasks-per-node={per_node}",
            "--distribution=block"]
-    if cfg.training.device != "cpu":
+    if uses_gpus(cfg, os.environ if env is None else env):
         cmd += ["--gpus-per-task=1", "--gpu-bind=closest"]
     if cfg.topology.preset == "frontier":
         cmd.append("-c7")  # 7 of each node's 56 usable cores per GCD (OLCF's recommendation)
@@ -250,12 +278,34 @@ def slurm_env(cfg: NeoXConfig, env: Mapping[str, str], master_addr: Optional[str
     addr = cfg.launcher.master_addr or master_addr
     if addr:
         out["MASTER_ADDR"] = addr
-    out["MASTER_PORT"] = str(cfg.launcher.master_port or env.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+    out["MASTER_PORT"] = str(cfg.launcher.master_port or env.get("MASTER_PORT") or job_master_port(env))
     out[EXIT_WITH_PARENT] = "any"  # each task exits if its slurmstepd is gone (megatron/launch/rank_guard.py)
     if cfg.topology.preset == "frontier":
         for key, value in FRONTIER_ENV.items():
             out.setdefault(key, value)
+        out.setdefault("TRITON_CACHE_DIR", node_local_cache("triton", env))  # Triton makes the folder
     return out
+
+
+def slurm_rendezvous(env: Mapping[str, str], run: Callable = subprocess.run) -> dict:
+    """MASTER_ADDR and MASTER_PORT for a task that plain srun started (a tool, not deepy's srun
+    line): the allocation's first host and the job's port, as `slurm_env` gives deepy's ranks; {}
+    outside a Slurm job."""
+    if not env.get("SLURM_JOB_ID"):
+        return {}
+    host = first_slurm_host(env, run)
+    return {"MASTER_PORT": str(job_master_port(env)), **({"MASTER_ADDR": host} if host else {})}
+
+
+def job_master_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of the Slurm job in `env` (JOB_PORT_BASE + its id mod JOB_PORT_SPAN; a
+    requeued job keeps its id, so its port); DEFAULT_MASTER_PORT outside a job. A fixed port made the
+    second job on a node fail with EADDRINUSE."""
+    job = (env.get("SLURM_JOB_ID") or "").strip()
+    if not job:
+        return DEFAULT_MASTER_PORT
+    number = int(job) if job.isdigit() else zlib.crc32(job.encode())
+    return JOB_PORT_BASE + number % JOB_PORT_SPAN
 
 
 # --- hostfile (DeepSpeed's launcher) ----------------------------------------------------------------
@@ -316,7 +366,7 @@ def plan_launch(cfg: NeoXConfig, script: str, config_json: str, extra_args: Sequ
         if "MASTER_ADDR" not in rank_env:
             notes.append("no rendezvous host: `scontrol show hostnames $SLURM_JOB_NODELIST` gave none and "
                          "MASTER_ADDR is unset (set master_addr)")
-        return LaunchPlan(kind, [srun_command(cfg, rank_command)], [rank_env], notes)
+        return LaunchPlan(kind, [srun_command(cfg, rank_command, env)], [rank_env], notes)
     if kind == "hostfile":
         return LaunchPlan(kind, [deepspeed_command(cfg, script, config_json, extra_args)], [env])
     raise ConfigError(f"launcher: {kind!r} is not supported; use local, slurm or hostfile")

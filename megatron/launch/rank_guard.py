@@ -53,7 +53,7 @@ def guard_rank(env: Mapping[str, str]) -> None:
 
 
 def rank_name(env: Mapping[str, str]) -> str:
-    rank = env.get("RANK", env.get("SLURM_PROCID"))
+    rank = env.get("RANK") or env.get("SLURM_PROCID")  # an empty RANK is unset, as launched_as reads it
     return f"rank {rank}" if rank is not None else "train.py"
 
 

@@ -8,13 +8,15 @@ counting local GPUs gives the wrong world size on every node but one.
     SLURM_JOB_NUM_NODES     nodes of the allocation (older Slurm: SLURM_NNODES)
     SLURM_NTASKS_PER_NODE   only with --ntasks-per-node; "8" or, per node, "8(x48)"
     SLURM_GPUS_ON_NODE      GPUs allocated on this node (with --gpus*, or whole-node GPU partitions)
+    SLURM_JOB_GPUS          the indices of the job's GPUs on this node, "0,1,2,3" (read when the count is absent)
+    SLURM_GPUS_PER_NODE     what --gpus-per-node asked: "8", "a100:8"; "0" from `sbatch --gpus-per-node=0`
     SLURM_JOB_NODELIST      compressed host list, expanded by `scontrol show hostnames`
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from megatron.topology.errors import TopologyError
 
@@ -31,7 +33,7 @@ def parse_tasks_per_node(text: str, var: str = "SLURM_NTASKS_PER_NODE") -> int:
     return int(match.group(1))
 
 
-def _positive(env: Mapping[str, str], var: str) -> Optional[int]:
+def _positive(env: Mapping[str, str], var: str, minimum: int = 1) -> Optional[int]:
     raw = env.get(var)
     if raw is None or raw.strip() == "":
         return None
@@ -39,9 +41,23 @@ def _positive(env: Mapping[str, str], var: str) -> Optional[int]:
         value = int(raw)
     except ValueError:
         raise TopologyError(f"environment variable {var}={raw!r} is not a count") from None
-    if value < 1:
-        raise TopologyError(f"environment variable {var}={raw!r} must be at least 1")
+    if value < minimum:
+        raise TopologyError(f"environment variable {var}={raw!r} must be at least {minimum}")
     return value
+
+
+def _gpus_on_node(env: Mapping[str, str]) -> Optional[int]:
+    """The GPUs the allocation gives each node, 0 when it says none, None when it does not say: a
+    CPU-only cluster (no GPU GRES) sets none of these variables."""
+    count = _positive(env, "SLURM_GPUS_ON_NODE", minimum=0)
+    if count is not None:
+        return count
+    indices = env.get("SLURM_JOB_GPUS", "").strip()
+    if indices:
+        return len([i for i in indices.split(",") if i.strip()])
+    asked = env.get("SLURM_GPUS_PER_NODE", "").strip()
+    last = asked.rsplit(":", 1)[-1]  # "8", "a100:8"; a list of types is left unread
+    return int(last) if last.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,7 @@ class SlurmAllocation:
     job_id: str
     nodes: Optional[int]
     tasks_per_node: Optional[int]
-    gpus_per_node: Optional[int]
+    gpus_per_node: Optional[int]  # 0: the job asked for none (`sbatch --gpus-per-node=0`)
     nodelist: Optional[str]
 
     def ranks_per_node(self, uses_gpus: bool) -> Optional[int]:
@@ -58,7 +74,7 @@ class SlurmAllocation:
         run, one rank per GPU) the GPUs allocated on the node, else unknown."""
         if self.tasks_per_node is not None:
             return self.tasks_per_node
-        return self.gpus_per_node if uses_gpus else None
+        return (self.gpus_per_node or None) if uses_gpus else None
 
     def describe(self, uses_gpus: bool) -> str:
         """'2 nodes x 8 tasks per node (SLURM_JOB_NUM_NODES=2, SLURM_NTASKS_PER_NODE=8)'."""
@@ -67,7 +83,7 @@ class SlurmAllocation:
             said.append(f"SLURM_JOB_NUM_NODES={self.nodes}")
         if self.tasks_per_node is not None:
             said.append(f"SLURM_NTASKS_PER_NODE={self.tasks_per_node}")
-        elif uses_gpus and self.gpus_per_node is not None:
+        elif uses_gpus and self.gpus_per_node:
             said.append(f"SLURM_GPUS_ON_NODE={self.gpus_per_node}")
         per_node = self.ranks_per_node(uses_gpus)
         nodes = "? nodes" if self.nodes is None else f"{self.nodes} node{'s' if self.nodes != 1 else ''}"
@@ -88,8 +104,32 @@ def allocation_from_env(env: Mapping[str, str]) -> Optional[SlurmAllocation]:
     raw_tasks = env.get("SLURM_NTASKS_PER_NODE")
     tasks = parse_tasks_per_node(raw_tasks) if raw_tasks and raw_tasks.strip() else None
     return SlurmAllocation(job_id=job_id, nodes=nodes, tasks_per_node=tasks,
-                           gpus_per_node=_positive(env, "SLURM_GPUS_ON_NODE"),
+                           gpus_per_node=_gpus_on_node(env),
                            nodelist=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"))
+
+
+GPU_PRESETS = ("frontier", "dgx")  # topology presets of GPU machines
+
+
+def run_uses_gpus(device: str, preset: Optional[str], alloc: Optional[SlurmAllocation],
+                  visible_gpus: Callable[[], int]) -> bool:
+    """Whether the run puts one rank on each GPU (and srun binds them): `device: cpu`/`cuda` say so;
+    `auto` asks the allocation first (GPUs given, or explicitly none), then the preset (Frontier and
+    DGX nodes are GPU nodes), then the GPUs this process sees (``visible_gpus()``). Without the
+    allocation's word a CPU-only Slurm got `--gpus-per-task=1`, which it refuses."""
+    if device != "auto":
+        return device == "cuda"
+    if alloc is not None and alloc.gpus_per_node is not None:
+        return alloc.gpus_per_node > 0
+    if preset in GPU_PRESETS:
+        return True
+    return visible_gpus() > 0
+
+
+def visible_gpu_count() -> int:
+    """The GPUs torch sees here (0 without a GPU build); torch is imported only when asked."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def layout_mismatch(layout: Optional[list], alloc: SlurmAllocation, uses_gpus: bool) -> Optional[str]:

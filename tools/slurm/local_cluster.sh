@@ -173,5 +173,5 @@ case "${1:-}" in
   stop) stop_cluster ;;
   status) status ;;
   env) echo "export SLURM_CONF=${conf}" ;;
-  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+  *) echo "usage: tools/slurm/local_cluster.sh start|stop|status|env" >&2; exit 2 ;;
 esac
