@@ -5,16 +5,18 @@ figure set, beside the paper's ratios (docs/frontier-model.md).
     .venv/bin/python bench/frontier_model.py --write docs/frontier-model.md     # every table, the charts
     .venv/bin/python bench/frontier_model.py --figures frontier-measured --models 20B --micro-batches 1
 
-Per figure set (``nominal``: the topology's per-tier links; ``frontier-measured``: published RCCL on
-MI250X + Slingshot-11 measurements, megatron/analytic/figure_sets.py), model, micro-batch,
+Per figure set (``nominal``: the topology's per-tier links; ``frontier-measured`` and
+``frontier-eager``: RCCL as the PCCL authors timed it on Frontier with libfabric's rendezvous
+settings and with its default eager protocol, megatron/analytic/figure_sets.py), model, micro-batch,
 accumulation and node count, every configuration's predicted optimizer step (the shipped configs:
 configs/<model>.yml + the preset's yml, bf16, activation checkpointing on, topology.preset
 frontier). ZeRO-3 and ZeRO++ are DeepSpeed's, as DeepSpeed issues their collectives
 (megatron/analytic/deepspeed_model.py); ours run as our engine does (comm_model). The paper's four
 numbers set beside ours: ZeRO++ / ZeRO-3 (1.405), ZeRO-topo / ZeRO++ (1.71), ZeRO-topo / ZeRO-3 (2.40)
-and ZeRO-topo's weak-scaling efficiency from 8 to 48 nodes (0.94). Then what moves the ratio: each
-assumption of the frontier-measured set varied alone (a tornado chart), and the inter-node bandwidth
-at which the paper's 1.71 would be reached. ``--write`` replaces the marked sections of the doc; its
+and ZeRO-topo's weak-scaling efficiency from 8 to 48 nodes (0.94). Then the points of the Frontier
+sets; the four numbers under other readings of the CSV's rows (needs ../shared's CSV) and under
+mechanisms the sets leave out; each assumption of the frontier-measured set varied alone (a
+tornado chart); and the inter-node bandwidth at which the paper's 1.71 would be reached. ``--write`` replaces the marked sections of the doc; its
 prose is not generated.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ from megatron.model.sizes import unit_parameter_shapes
 from megatron.topology import Topology
 from megatron.analytic.comm_model import groups_of_kind, step_collectives
 from megatron.analytic.deepspeed_model import deepspeed_collectives, on_deepspeed_schedule
-from megatron.analytic.figure_sets import FIGURE_SET_NAMES, Assumptions, frontier_curves
+from megatron.analytic import pccl_frontier
+from megatron.analytic.figure_sets import FIGURE_SET_NAMES, POINTS_OF, Assumptions, frontier_curves
 from megatron.analytic.hardware import Hardware, TierLink
 from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
 from megatron.analytic.model_inputs import activations_from_config, comm_spec_from_config, padded_vocab_of, step_work_from_config
@@ -62,8 +65,14 @@ CONFIGS = {
 PAPER = {"ZeRO++ / ZeRO-3": 1.405, "ZeRO-topo / ZeRO++": 1.71, "ZeRO-topo / ZeRO-3": 1.405 * 1.71,
          "scaling eff. 8->48": 0.94}
 PAPER_TEXT = ("1.405", "1.71", "2.40 (1.405 x 1.71)", "0.94")
-MARKERS = ("ratios", "counts", "middle", "tflops", "phases", "sensitivity", "bandwidth")
-MIDDLES = ("interpolate", "latency-bandwidth", "low-until-16MiB", "keep-2MiB")
+MARKERS = ("ratios", "counts", "curves", "readings", "mechanisms", "tflops", "phases", "sensitivity", "bandwidth")
+FRONTIER_SETS = tuple(POINTS_OF)
+REGIME_OF = {"frontier-measured": "clean", "frontier-eager": "eager"}
+# Other readings of the CSV's rows than the shipped one (pccl_frontier.derive's keywords).
+READINGS = (("2-128 nodes' median, each job's first size left out (shipped)", {}),
+            ("each job's first size kept", {"drop_first": False}),
+            ("the 32- and 64-node jobs only (around 48)", {"nodes": (32, 64)}),
+            ("the 8-node job only", {"nodes": (8,)}))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,21 +165,67 @@ def ratio_table(rows: dict, args) -> str:
                    "ZeRO-topo every micro-step / ZeRO++", "ours INT8/INT4 / ZeRO++"], out)
 
 
-def middle_table(args, model: str) -> str:
-    """The paper's four numbers under each reading of the unmeasured ring steps (32 KiB-8 MiB), the
-    assumption that moves the ratio most: which reading, if any, agrees with all four."""
-    first, last, micro = min(args.nodes), max(args.nodes), args.paper_micro_batch
+def four_numbers(args, model: str, figures: str, micro: int, acc: int, variant=None) -> list:
+    """The paper's four numbers as predicted: ZeRO++ / ZeRO-3, ZeRO-topo / ZeRO++, ZeRO-topo / ZeRO-3
+    at the largest node count, ZeRO-topo's scaling efficiency from the smallest."""
+    first, last = min(args.nodes), max(args.nodes)
+
+    def at(label, n=last):
+        return predict(model, label, n, micro, acc, figures, args.probe, variant)
+    z3, zpp, topo = at(ZERO3), at(ZEROPP), at(TOPO_PAPER)
+    eff = topo["tflops"] / at(TOPO_PAPER, first)["tflops"]
+    return [f"{ratio(zpp, z3):.3f}", f"{ratio(topo, zpp):.3f}", f"{ratio(topo, z3):.3f}", f"{eff:.3f}"]
+
+
+def _four_header(args) -> list:
+    return ["ZeRO++ / ZeRO-3", "ZeRO-topo / ZeRO++", "ZeRO-topo / ZeRO-3",
+            f"ZeRO-topo scaling eff. {min(args.nodes)}->{max(args.nodes)}"]
+
+
+def readings_table(args, model: str, rows_csv: list) -> str:
+    """The four numbers with each Frontier set rebuilt from another reading of the CSV's rows."""
+    micro, acc = args.paper_micro_batch, args.accumulation[0]
     out = [["paper", "-", *PAPER_TEXT]]
-    for middle in MIDDLES:
-        for acc in args.accumulation:
-            def at(label, n=last):
-                return predict(model, label, n, micro, acc, "frontier-measured", args.probe, _curves(middle=middle))
-            z3, zpp, topo = at(ZERO3), at(ZEROPP), at(TOPO_PAPER)
-            eff = topo["tflops"] / at(TOPO_PAPER, first)["tflops"]
-            out.append([middle, acc, f"{ratio(zpp, z3):.3f}", f"{ratio(topo, zpp):.3f}", f"{ratio(topo, z3):.3f}",
-                        f"{eff:.3f}"])
-    return render(["ring steps 32 KiB-8 MiB", "accumulation", "ZeRO++ / ZeRO-3", "ZeRO-topo / ZeRO++",
-                   "ZeRO-topo / ZeRO-3", f"ZeRO-topo scaling eff. {first}->{last}"], out)
+    for figures in FRONTIER_SETS:
+        for name, kw in READINGS:
+            points = pccl_frontier.derive(rows_csv, REGIME_OF[figures], **kw)
+            out.append([figures, name, *four_numbers(args, model, figures, micro, acc, _points(points))])
+    return render(["figures", "rows read", *_four_header(args)], out)
+
+
+def mechanisms_table(args, model: str) -> str:
+    """The four numbers under what the sets leave out, one at a time: no overlap at all, micro-batch
+    1, and every rate between nodes slowed 10x and 100x (as if RCCL ran without its
+    libfabric plugin, say)."""
+    acc, micro = args.accumulation[0], args.paper_micro_batch
+    variants = (("as shipped", micro, None), ("no overlap of communication and compute", micro,
+                                              _device(overlap_efficiency=0.0)),
+                ("micro-batch 1", 1, None),
+                ("every inter-node rate x 0.1", micro, _inter_node(0.1)),
+                ("every inter-node rate x 0.01", micro, _inter_node(0.01)))
+    out = [["paper", "-", "-", *PAPER_TEXT]]
+    for figures in args.figures:
+        for name, m, variant in variants:
+            out.append([figures, name, m, *four_numbers(args, model, figures, m, acc, variant)])
+    return render(["figures", "what changes", "micro-batch", *_four_header(args)], out)
+
+
+def curves_table() -> str:
+    """The measured points of the Frontier sets: busbw GB/s and the time one ring step takes (us)."""
+    keys = [(figures, coll, span) for span in ("world", "node") for figures in FRONTIER_SETS
+            for coll in pccl_frontier.COLLECTIVES]
+    by_key = {k: {s: g for s, g, *_ in POINTS_OF[k[0]][(k[1], k[2])]} for k in keys}
+    steps = sorted({s for k in keys for s in by_key[k]})
+
+    def cell(k, s):
+        g = by_key[k].get(s)
+        return "" if g is None else f"{g:g} ({s / (g * 1e3):.1f})"
+    return render(["ring step", *(f"{f.split('-')[1]} {c.replace('_', '-')} {span}" for f, c, span in keys)],
+                  [[_bytes(s), *(cell(k, s) for k in keys)] for s in steps])
+
+
+def _bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def tflops_table(rows: dict, args) -> str:
@@ -222,8 +277,26 @@ def phases_table(rows: dict, args) -> str:
 # -- what moves the ratio ----------------------------------------------------------------------
 
 def _curves(**assume):
+    """The Frontier set in use rebuilt from its own points under other assumptions."""
     def apply(hw: Hardware) -> Hardware:
-        return dataclasses.replace(hw, curves={**hw.curves, **frontier_curves(Assumptions(**assume))})
+        return dataclasses.replace(hw, curves={**hw.curves, **frontier_curves(POINTS_OF[hw.figure_set],
+                                                                              Assumptions(**assume))})
+    return apply
+
+
+def _points(points):
+    """The curves rebuilt from other points (a reading of the CSV)."""
+    def apply(hw: Hardware) -> Hardware:
+        return dataclasses.replace(hw, curves={**hw.curves, **frontier_curves(points)})
+    return apply
+
+
+def _inter_node(f: float):
+    """Every inter-node rate (the tier's, the cross and world curves') multiplied by ``f``."""
+    def apply(hw: Hardware) -> Hardware:
+        links = {t: TierLink(l.bandwidth * f, l.latency_s) if t == "inter_node" else l for t, l in hw.links.items()}
+        curves = {k: (c.scaled(f) if k[1] in ("cross", "world") else c) for k, c in hw.curves.items()}
+        return dataclasses.replace(hw, links=links, curves=curves)
     return apply
 
 
@@ -237,20 +310,17 @@ def _device(**scale):
 
 # name -> ((low label, variant), (high label, variant)); None = the baselines coalesced per unit.
 ASSUMPTIONS = {
-    "ring steps of 32 KiB-8 MiB (unmeasured)": (("the 2 MiB collapse kept", _curves(middle="keep-2MiB")),
-                                                ("latency + bandwidth fill", _curves(middle="latency-bandwidth"))),
-    "in-node ring rate (85 GB/s)": (("38 GB/s: one IF link", _curves(in_node_gbs=38.0)),
-                                    ("148 GB/s: the GCD pair's", _curves(in_node_gbs=148.0))),
+    "world-ring rates (the runs' medians)": (("x 0.5", _curves(world_scale=0.5)), ("x 2", _curves(world_scale=2.0))),
+    "in-node ring rates (the one-node job)": (("x 0.5", _curves(node_scale=0.5)), ("x 2", _curves(node_scale=2.0))),
+    "cross rings' node egress (the world plateau)": (("2 NICs at osu_bw's 23.82 GB/s", _curves(cross_cap_gbs=47.64)),
+                                                     ("4 NICs at osu_bw's 23.82 GB/s", _curves(cross_cap_gbs=95.28))),
     "all-to-all across nodes (ring / 2.5)": (("ring / 3", _curves(all_to_all_slowdown=3.0)),
                                              ("ring / 1", _curves(all_to_all_slowdown=1.0))),
-    "NIC rate (23.8 GB/s)": (("x 0.5", _curves(nic_gbs=11.91)), ("25 GB/s nominal", _curves(nic_gbs=25.0))),
     "overlap efficiency (0.9, assumed)": (("0.5", _device(overlap_efficiency=0.5)),
                                           ("1.0", _device(overlap_efficiency=1.0))),
     "achieved compute (38% of peak)": (("x 0.75", _device(achieved_flops=0.75)), ("x 1.25", _device(achieved_flops=1.25))),
     "quantization kernels (30 B/element)": (("x 0.5 the rate", _device(quantize_elements_per_s=0.5)),
                                             ("x 2 the rate", _device(quantize_elements_per_s=2.0))),
-    "in-node step latency (3.5 us)": (("x 4", _curves(step_latency_s=4 * 107.5e-6 / 31)),
-                                      ("x 0.25", _curves(step_latency_s=0.25 * 107.5e-6 / 31))),
     "DeepSpeed's collectives (per parameter / bucket)": (None, ("coalesced per unit, as ours", None)),
 }
 
@@ -289,15 +359,8 @@ def bandwidth_factor(args, model: str, figures: str, acc: int, target: float = P
     (paper) / ZeRO++ reaches ``target``, by bisection on a log scale; None if not by 1/1000."""
     last, micro = max(args.nodes), args.paper_micro_batch
 
-    def scaled(f):
-        def apply(hw: Hardware) -> Hardware:
-            links = {t: TierLink(l.bandwidth * f, l.latency_s) if t == "inter_node" else l for t, l in hw.links.items()}
-            curves = {k: (c.scaled(f) if k[1] in ("cross", "world") else c) for k, c in hw.curves.items()}
-            return dataclasses.replace(hw, links=links, curves=curves)
-        return apply
-
     def r(f):
-        return ratio(*(predict(model, label, last, micro, acc, figures, args.probe, scaled(f))
+        return ratio(*(predict(model, label, last, micro, acc, figures, args.probe, _inter_node(f))
                        for label in (TOPO_PAPER, ZEROPP)))
     lo, hi = 1e-3, 1.0
     if r(hi) >= target:
@@ -400,8 +463,15 @@ def main(argv=None) -> int:
     if args.paper_micro_batch in args.micro_batches:
         sections["tflops"] = tflops_table(rows, args)
     sens = None
+    if any(f in FRONTIER_SETS for f in args.figures):
+        sections["curves"] = curves_table()
+    if not args.no_sensitivity:
+        sections["mechanisms"] = mechanisms_table(args, args.models[0])
+        if pccl_frontier.DATA.exists():
+            sections["readings"] = readings_table(args, args.models[0], pccl_frontier.read_rows())
+        else:
+            print(f"frontier_model: {pccl_frontier.DATA} is absent: no readings table", file=sys.stderr)
     if not args.no_sensitivity and "frontier-measured" in args.figures:
-        sections["middle"] = middle_table(args, args.models[0])
         sens = sensitivity(args, args.models[0])
         sections["sensitivity"] = sensitivity_table(sens)
         sections["bandwidth"] = bandwidth_table(args)
