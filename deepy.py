@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from megatron.checkpointing.folders import save_folder_conflict
 from megatron.launch.exit_codes import INTERNAL_ERROR, USAGE_ERROR
 from megatron.launch.launcher import launch
 
+INTERRUPTED = 128 + signal.SIGINT  # the shell's code for Ctrl-C (docs/errors.md)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yml"
 SCRIPTS_THAT_NEVER_SAVE = ("generate.py", "eval.py")  # docs/generate_eval.md
 
@@ -142,10 +144,40 @@ def main(argv: list[str] | None = None) -> int:
     return launch(cfg, script, str(path), extra_args=script_args, rank_output=args.rank_output)
 
 
+class _Interrupts:
+    """Counts Ctrl-Cs while still raising KeyboardInterrupt for each, as Python's own handler does: the
+    local launcher stops the ranks on the first (they save, then exit: `deepy: interrupted; stopped
+    all ranks`, 130). One that reaches `run` came before any rank started, or is a second one while
+    the ranks were saving: either way one line and 130, never the traceback of where it landed."""
+
+    def __init__(self):
+        self.count = 0
+
+    def install(self) -> None:
+        # A job started in the background by a non-interactive shell has SIGINT ignored: keep that.
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def line(self) -> str:
+        if self.count > 1:
+            return ("deepy: interrupted again: stopped the ranks without waiting for their save (a step cut "
+                    "short is not committed: `latest` names the last complete one)")
+        return "deepy: interrupted"
+
+
 def run(argv: list[str] | None = None) -> int:
     """main() with the one-line error contract."""
+    interrupts = _Interrupts()
+    interrupts.install()
     try:
         return main(argv)
+    except KeyboardInterrupt:
+        print(interrupts.line(), file=sys.stderr, flush=True)
+        return INTERRUPTED
     except ConfigError as err:
         print(f"deepy: error: {err}", file=sys.stderr)
         return USAGE_ERROR

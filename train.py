@@ -5,12 +5,15 @@ argument, the rank guard, exit codes, and why a rank leaves with os._exit once i
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from megatron.build import build_training, user_errors
 from megatron.config import load_config_json
 from megatron.launch.entry_point import run_script
 from megatron.launch.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
+from megatron.launch.rank_guard import rank_name
 
 
 def exit_code(trainer) -> int:
@@ -25,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_script(_train, __doc__, argv)
 
 
+def _interrupted(signum, frame) -> None:
+    """SIGINT outside the training loop (which saves first: training.StopRequest): one line, 130."""
+    print(f"{rank_name(os.environ)}: interrupted (SIGINT) while not training: nothing to save; "
+          f"exit code {128 + signum}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def _train(config_json: str) -> int:
+    signal.signal(signal.SIGINT, _interrupted)  # instead of KeyboardInterrupt's traceback
     with user_errors():
         cfg = load_config_json(config_json)
         run = build_training(cfg)

@@ -66,15 +66,25 @@ def collate(dataset, indices, device: torch.device) -> dict:
 
 
 class StopRequest:
-    """SIGTERM/SIGUSR1 (Slurm's warning before the time limit) -> save at the next step, then exit."""
+    """SIGTERM/SIGUSR1 (Slurm's warning before the time limit) and SIGINT (Ctrl-C at a terminal, or
+    srun passing one on) -> save at the next step, then exit (75 once saved). Why SIGINT too: Python
+    would raise KeyboardInterrupt wherever the rank is, mid-step or mid-save, and print its
+    traceback. A second SIGTERM/SIGINT ends the rank at once with one line (rank_guard.py)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them (the loop is over)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class Trainer:
@@ -101,8 +111,9 @@ class Trainer:
         self.checkpointer = (Checkpointer(ck.save, rank=runtime.rank, world_size=runtime.world_size,
                                           barrier=runtime.barrier, keep_last_n=ck.keep_last_n_checkpoints)
                              if ck.save else None)
-        if self.checkpointer is not None and runtime.is_main:
+        if self.checkpointer is not None and self.checkpointer.commits:
             self.checkpointer.ensure_writable()
+            self.checkpointer.lock()  # before resume reads the folder: one run saves there at a time
         self.stop = StopRequest()
         self.numerics = NumericsWatch(tcfg.max_consecutive_skipped_steps, tcfg.loss_spike_factor)
         self.save_deferred = False  # a checkpoint was due at a skipped step
@@ -156,6 +167,18 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> None:
+        try:
+            self._fit()
+        finally:  # on any way out that unwinds (an error, too); a hard exit leaves a stale lock (lock.py)
+            self.close()
+
+    def close(self) -> None:
+        """Release the save folder and the signals (idempotent)."""
+        if self.checkpointer is not None:
+            self.checkpointer.unlock()
+        self.stop.restore()
+
+    def _fit(self) -> None:
         tcfg = self.cfg.training
         seq = self.cfg.model.seq_length
         progress = ProgressLine(tcfg.train_iters, start_iter=self.iteration)
@@ -254,6 +277,13 @@ class Trainer:
             log_print(f"saved checkpoint {path} ({format_bytes(size)}, {time.perf_counter() - start:.2f} s)")
 
     def resume(self, load_dir: str) -> bool:
+        try:
+            return self._resume(load_dir)
+        except BaseException:  # a refused checkpoint ends the run: it must not keep the folder locked
+            self.close()
+            raise
+
+    def _resume(self, load_dir: str) -> bool:
         start = time.perf_counter()
         step_dir = latest_step_dir(load_dir)
         if step_dir is None:

@@ -1,3 +1,4 @@
+import json
 import warnings
 
 import pytest
@@ -146,6 +147,11 @@ def test_rank_files_load_with_weights_only(tmp_path):
     assert loaded["engine"]["loss_scaler"] == {"scale": 1.0, "clean_steps": 0}
     assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
     torch.save({"engine": _NotPlainData()}, rank_file(path, 0))
+    with pytest.raises(CheckpointError, match="is damaged"):  # not the bytes its save wrote: refused unread
+        load_rank_state(path, 0)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["rank_files"]  # as a step saved before checksums: the file is unpickled, weights_only
+    (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError) as err:
         load_rank_state(path, 0)
     assert "\n" not in str(err.value) and "holds objects other than tensors" in str(err.value)

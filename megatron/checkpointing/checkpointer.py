@@ -18,6 +18,15 @@ it from there (folders.complete_steps), and a crash anywhere leaves one complete
 
 A write that fails (a full disk, a file-size limit) raises CheckpointError naming the step and the
 cause; the half-written folder is removed and `latest` still names the previous step.
+
+Each rank file's checksum (CRC-32 and length, computed as it is written) travels to rank 0 with its
+piece list and is recorded in meta.json (`rank_files`); every read checks it (rank_files.py).
+Pruning keeps `keep_last_n` steps that are intact (every rank file there, at its recorded length):
+a damaged step does not count, so the good steps before it stay in its place.
+
+The committing process holds the save folder's lock (lock.py) once `lock()` is called (the trainer
+does, before training): a second run is refused, and a save after another run took the lock over
+fails instead of mixing the two runs' files.
 """
 from __future__ import annotations
 
@@ -28,9 +37,13 @@ from pathlib import Path
 from typing import Callable
 
 
-from megatron.checkpointing.folders import META, aside_dir, complete_steps, step_name
-from megatron.checkpointing.rank_files import (CheckpointError, fsync_path, rank_file, rename_durably,
-                                               write_rank_state, write_text_durably)
+from megatron.checkpointing.folders import (CHECKSUMS, META, aside_dir, complete_steps, intact, read_latest,
+                                            step_name, warn)
+from megatron.checkpointing.lock import FolderInUse, SaveFolderLock
+from megatron.checkpointing.rank_files import (CheckpointError, file_checksum, fsync_path, rank_file,
+                                               rename_durably, write_rank_state, write_text_durably)
+
+CHECKSUM = "checksum"  # the key of a rank's checksum in what it sends rank 0 beside its piece list
 
 
 class Checkpointer:
@@ -45,6 +58,24 @@ class Checkpointer:
         self.barrier = barrier
         self.keep_last_n = keep_last_n
         self.commits = rank == 0 if commits is None else commits
+        self._lock: SaveFolderLock | None = None
+
+    def lock(self) -> None:
+        """Take the save folder's lock (the committing process; lock.py): a live holder is refused in
+        one line, a stale one taken over with one warning line."""
+        lock = SaveFolderLock(self.save_dir)
+        try:
+            notice = lock.acquire()
+        except FolderInUse as err:
+            raise CheckpointError(str(err)) from None
+        if notice:
+            warn(notice)
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def ensure_writable(self) -> None:
         """Fail before training, not after hours of it, when the folder cannot be written."""
@@ -78,27 +109,34 @@ class Checkpointer:
                 raise self._write_failed(final, partial, err) from None
         self.barrier()
         try:
-            write_rank_state(rank_file(partial, self.rank), rank_state)
+            checksum = write_rank_state(rank_file(partial, self.rank), rank_state)
         except OSError as err:
             raise self._write_failed(final, partial, err, rank_file(partial, self.rank).name) from None
         self.barrier()
         entries = None
         if gather is not None:
             from megatron.checkpointing.index import index_entry
-            entries = gather(index_entry(rank_state))
+            entries = gather({**(index_entry(rank_state) or {}), CHECKSUM: checksum})
         if self.commits:
+            taken = self._lock.held() if self._lock is not None else None
+            if taken:  # committing now would mix this run's step with the other run's
+                shutil.rmtree(partial, ignore_errors=True)
+                raise CheckpointError(f"could not save checkpoint {final}: {taken}")
             try:
-                self._commit(iteration, partial, final, rank_state, entries, meta)
+                self._commit(iteration, partial, final, rank_state, checksum, entries, meta)
             except OSError as err:
                 raise self._write_failed(final, partial, err) from None
             self._prune(iteration)
         self.barrier()
         return final
 
-    def _commit(self, iteration: int, partial: Path, final: Path, rank_state: dict, entries, meta: dict) -> None:
+    def _commit(self, iteration: int, partial: Path, final: Path, rank_state: dict, checksum: dict, entries,
+                meta: dict) -> None:
         """Rank 0, once every rank file is written: index.json, meta.json, the folder in place, `latest`."""
+        checksums, entries = _split_checksums(entries)
         self._write_index(partial, rank_state, entries)
-        meta = {**meta, "iteration": iteration, "world_size": self.world_size}
+        meta = {**meta, "iteration": iteration, "world_size": self.world_size,
+                CHECKSUMS: self._checksums(partial, checksum, checksums)}
         with open(partial / META, "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -120,8 +158,7 @@ class Checkpointer:
         (on a full disk that is the space the next attempt needs)."""
         if self.commits:
             shutil.rmtree(partial, ignore_errors=True)
-        pointer = self.save_dir / "latest"
-        latest = pointer.read_text().strip() if pointer.is_file() else None
+        latest, _ = read_latest(self.save_dir)
         what = what or (Path(err.filename).name if err.filename else None)
         where = f" writing {what}" if what else ""
         kept = f"`latest` still names {latest}" if latest else "there is no `latest` yet"
@@ -143,12 +180,43 @@ class Checkpointer:
         if index is not None:
             idx.write_index(partial, index)
 
+    def _checksums(self, partial: Path, mine: dict, gathered: list | None) -> dict:
+        """File name -> checksum for meta.json: the ranks' own (gathered), rank 0's alone in a world of
+        one, else (a caller without a gather: tools, tests) read back from each file once."""
+        if gathered is None and self.world_size == 1:
+            gathered = [mine]
+        if gathered is None:
+            gathered = [file_checksum(rank_file(partial, r)) for r in range(self.world_size)]
+        return {rank_file(partial, r).name: c for r, c in enumerate(gathered) if c is not None}
+
     def _prune(self, newest: int) -> None:
+        """Delete the steps older than the keep_last_n-th newest intact one (the step just saved
+        counts: its files were checksummed as written). A damaged step is not counted, so it never
+        pushes a good step out; it goes once keep_last_n intact steps are newer."""
         if not self.keep_last_n:
             return
         folders = complete_steps(self.save_dir)
-        for step in sorted(folders)[:-self.keep_last_n]:
-            if step == newest:  # a run saving below older steps never drops its own
+        good = 0
+        for step in sorted(folders, reverse=True):
+            if good >= self.keep_last_n and step != newest:  # a run saving below older steps keeps its own
+                shutil.rmtree(folders[step], ignore_errors=True)
+                shutil.rmtree(aside_dir(self.save_dir / step_name(step)), ignore_errors=True)
                 continue
-            shutil.rmtree(folders[step], ignore_errors=True)
-            shutil.rmtree(aside_dir(self.save_dir / step_name(step)), ignore_errors=True)
+            problem = None if step == newest else intact(folders[step])
+            if problem is None:
+                good += 1
+            else:
+                warn(f"keeping {folders[step]} out of keep_last_n_checkpoints' count: {problem}")
+
+
+def _split_checksums(entries: list | None) -> tuple[list | None, list | None]:
+    """The gathered ranks' (checksums, index entries): each rank sent its piece list (or nothing, for
+    a state that is not an engine's) with its file's checksum beside it."""
+    if entries is None:
+        return None, None
+    checksums, index_entries = [], []
+    for entry in entries:
+        entry = dict(entry or {})
+        checksums.append(entry.pop(CHECKSUM, None))
+        index_entries.append(entry or None)
+    return checksums, index_entries
