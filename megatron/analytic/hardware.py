@@ -1,7 +1,7 @@
 """The figures the step-time model reads (docs/time_model.md, "The figures"): per-tier links,
 per-algorithm links a probe measured, per-(algorithm, group shape) latency-bandwidth curves, and
 the device. From a ``Topology``'s tiers and the device table (the ``nominal`` figure set), or a
-published figure set (``megatron.analytic.figure_sets``: ``frontier-measured``), overridden by a
+published figure set (``megatron.analytic.figure_sets``: ``frontier-measured``, ``frontier-eager``), overridden by a
 link probe file (tools/probe_links.py, format ``PROBE_FORMAT``).
 
 Two ways a collective's time is read, in this order (``Hardware.curve``):

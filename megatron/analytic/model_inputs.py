@@ -129,6 +129,6 @@ def figures_note(cfg) -> Optional[str]:
     probe): what they are and how to replace them with the allocation's own."""
     if cfg.topology.link_figures or cfg.topology.figure_set != "auto" or figure_set_of(cfg) == "nominal":
         return None
-    return ("figures: frontier-measured (a Frontier topology and no probe file: published RCCL measurements on "
-            "MI250X + Slingshot-11, docs/frontier-model.md); measure this allocation with tools/probe_links.py "
-            "and set topology.link_figures to use its own")
+    return ("figures: frontier-measured (a Frontier topology and no probe file: published RCCL timings on "
+            "Frontier with libfabric's rendezvous settings, docs/frontier-model.md); measure this allocation "
+            "with tools/probe_links.py and set topology.link_figures to use its own")
