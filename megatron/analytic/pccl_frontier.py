@@ -102,8 +102,8 @@ def render(points: dict, name: str) -> str:
     lines = [f"{name} = {{"]
     for key, pts in points.items():
         lines.append(f"    {key!r}: (")
-        for i in range(0, len(pts), 3):
-            lines.append("        " + " ".join(f"({s}, {g!r}, {n!r})," for s, g, n in pts[i:i + 3]))
+        for i in range(0, len(pts), 2):
+            lines.append("        " + " ".join(f"({s}, {g!r}, {n!r})," for s, g, n in pts[i:i + 2]))
         lines.append("    ),")
     return "\n".join(lines + ["}"])
 
