@@ -153,3 +153,14 @@ def test_assumptions_move_only_what_they_say():
     assert half[(RING_ALLGATHER, "node")] == base[(RING_ALLGATHER, "node")]
     direct = cross_curve(measured_curve(CLEAN_POINTS[("all_gather", "world")], "x"), 1.0e9)
     assert max(r for _, r in direct.points) == 1.0e9
+
+
+def test_a_config_can_ask_for_the_eager_set():
+    from conftest import REPO
+    from megatron.config import load_config
+    from megatron.analytic.model_inputs import hardware_from_config
+    cfg = load_config([str(REPO / "configs" / "20B.yml"), str(REPO / "configs" / "zero3.yml")],
+                      ["topology.preset=frontier", "num_nodes=8", "topology.figure_set=frontier-eager"], notices=[])
+    hw = hardware_from_config(cfg)
+    assert hw.figure_set == "frontier-eager" and hw.source.startswith("frontier-eager")
+    assert hw.curve(RING_ALLGATHER, "world") == FIGURE_SETS["frontier-eager"].curves[(RING_ALLGATHER, "world")]
