@@ -9,11 +9,23 @@ import os
 import signal
 import sys
 
-from megatron.build import build_training, user_errors
-from megatron.config import load_config_json
-from megatron.launch.entry_point import run_script
-from megatron.launch.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS
-from megatron.launch.rank_guard import rank_name
+from megatron.launch.rank_guard import rank_name  # no torch: light enough to come before the handler
+
+
+def _interrupted(signum, frame) -> None:
+    """SIGINT outside the training loop (which saves first: training.StopRequest): one line, 130."""
+    print(f"{rank_name(os.environ)}: interrupted (SIGINT) while not training: nothing to save; "
+          f"exit code {128 + signum}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":  # before torch's imports (seconds): a Ctrl-C there is one line too
+    signal.signal(signal.SIGINT, _interrupted)
+
+from megatron.build import build_training, user_errors  # noqa: E402 - after the handler, on purpose
+from megatron.config import load_config_json  # noqa: E402
+from megatron.launch.entry_point import run_script  # noqa: E402
+from megatron.launch.exit_codes import STOPPED_SAVED, STOPPED_UNSAVED, SUCCESS  # noqa: E402
 
 
 def exit_code(trainer) -> int:
@@ -26,13 +38,6 @@ def exit_code(trainer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return run_script(_train, __doc__, argv)
-
-
-def _interrupted(signum, frame) -> None:
-    """SIGINT outside the training loop (which saves first: training.StopRequest): one line, 130."""
-    print(f"{rank_name(os.environ)}: interrupted (SIGINT) while not training: nothing to save; "
-          f"exit code {128 + signum}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
 
 
 def _train(config_json: str) -> int:

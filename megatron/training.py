@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing.checkpointer import Checkpointer
-from megatron.checkpointing.folders import latest_step_dir
-from megatron.checkpointing.rank_files import load_meta
+from megatron.checkpointing.folders import latest_step_dir, save_folder_conflict
+from megatron.checkpointing.rank_files import CheckpointError, load_meta
 from megatron.checkpointing.reader import CheckpointReader
 from megatron.config import config_to_dict
 from megatron.engine import Engine
@@ -114,6 +114,12 @@ class Trainer:
         if self.checkpointer is not None and self.checkpointer.commits:
             self.checkpointer.ensure_writable()
             self.checkpointer.lock()  # before resume reads the folder: one run saves there at a time
+            # deepy's check again, now under the lock: a run started beside this one may have saved
+            # steps between deepy's look and this one (two runs started at once, the other faster)
+            problem = save_folder_conflict(ck.save, ck.load, ck.overwrite_checkpoints)
+            if problem:
+                self.checkpointer.unlock()
+                raise CheckpointError(problem)
         self.stop = StopRequest()
         self.numerics = NumericsWatch(tcfg.max_consecutive_skipped_steps, tcfg.loss_spike_factor)
         self.save_deferred = False  # a checkpoint was due at a skipped step

@@ -238,14 +238,27 @@ def _damage(step: Path, case: str) -> None:
         (step / "index.json").write_text("not json")
     elif case == "truncated-rank-file":
         rank_file.write_bytes(rank_file.read_bytes()[:1000])
+    elif case == "flipped-bytes":  # the length stays: only the checksum tells
+        data = bytearray(rank_file.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+        rank_file.write_bytes(bytes(data))
+    elif case == "truncated-unchecked":  # a step saved before checksums: torch's own read fails
+        meta = json.loads((step / "meta.json").read_text())
+        del meta["rank_files"]
+        (step / "meta.json").write_text(json.dumps(meta))
+        rank_file.write_bytes(rank_file.read_bytes()[:1000])
     elif case == "missing-rank-file":
         rank_file.unlink()
 
 
 CHECKPOINT_MISTAKES = {
     "damaged-index": ([], "error: <load>/global_step2/index.json cannot be read (<reason>): the checkpoint is damaged"),
-    "truncated-rank-file": ([], "error: <load>/global_step2/rank_00000.pt cannot be read (<reason>): the checkpoint is "
-                                "damaged; to resume from an earlier step write its name into <load>/latest"),
+    "truncated-rank-file": ([], "error: <load>/global_step2/rank_00000.pt is damaged: it holds <n> bytes, its save "
+                                "wrote <m>; no earlier step is complete: this run must start again"),
+    "flipped-bytes": ([], "error: <load>/global_step2/rank_00000.pt is damaged: crc32 <found>, its save recorded "
+                          "<expected>; no earlier step is complete: this run must start again"),
+    "truncated-unchecked": ([], "error: <load>/global_step2/rank_00000.pt cannot be read (<reason>): the checkpoint "
+                                "is damaged; to resume from an earlier step write its name into <load>/latest"),
     "missing-rank-file": ([], "error: <load>/global_step2/rank_00000.pt is missing: the checkpoint in "
                               "<load>/global_step2 is incomplete"),
     "more-layers": (["--set", "num_layers=3"], "error: checkpoint <load>/global_step2 has no parameter "

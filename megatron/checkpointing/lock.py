@@ -14,8 +14,8 @@ so a reader never sees half a lock. The holder touches it every HEARTBEAT_S seco
 A lock left by a run that crashed (killed, node lost) is stale, and the next run takes it over with
 one warning line. Stale means:
 - same host: the holder's pid is gone, or now belongs to a process that started at another time;
-- same Slurm job id (a requeued job keeps its id, and a job runs once at a time): an earlier start
-  of this very job, wherever it ran;
+- same Slurm job id and a lower restart count (a requeued job keeps its id; SLURM_RESTART_COUNT
+  counts its starts): an earlier start of this very job, wherever it ran;
 - another host: no heartbeat for STALE_AFTER_S seconds (its pid cannot be checked from here);
 - a lock file that is not JSON (not written by this code).
 Taking over renames the stale lock aside first (only one of two racing runs can), checks that what
@@ -44,8 +44,9 @@ class FolderInUse(Exception):
 
 def this_process() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "pid_start": _pid_start(pid),
-            "job": os.environ.get("SLURM_JOB_ID"), "since": time.time()}
+    job = os.environ.get("SLURM_JOB_ID") or None
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": _pid_start(pid), "job": job,
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0) if job else None, "since": time.time()}
 
 
 def describe(holder: dict) -> str:
@@ -95,8 +96,8 @@ def stale_reason(holder: Optional[dict], mtime: float, me: dict, now: float) -> 
         if holder.get("pid_start") is not None and _pid_start(int(holder["pid"])) != holder["pid_start"]:
             return "its pid now belongs to another process"
         return None
-    if holder.get("job") and holder.get("job") == me.get("job"):
-        return "it was taken by an earlier start of this Slurm job (requeued)"
+    if holder.get("job") and holder.get("job") == me.get("job") and (holder.get("restart") or 0) < (me["restart"] or 0):
+        return "it was taken by an earlier start of this Slurm job (requeued)"  # two steps of one start: the heartbeat
     if now - mtime > STALE_AFTER_S:
         return f"no heartbeat for {now - mtime:.0f} s (a holder on another host touches it every {HEARTBEAT_S:g} s)"
     return None
