@@ -10,7 +10,10 @@ Per node count: each candidate's quantization bits per phase (weight gathers / m
 hops / cross-node gradients / refresh; 0 = the compute dtype), activation checkpointing, the
 memory model's peak per device, the bytes one rank sends per step on each tier, the predicted step
 time and model TFLOPS per device (and, for the best, the step's seconds by phase); ``*`` marks the best candidate that fits the memory budget (the
-same search ``zero_optimization.plan: auto`` runs, megatron/analytic/planner.py). The summary gives
+same search ``zero_optimization.plan: auto`` runs, megatron/analytic/planner.py). Below the --top
+rows, the named presets (configs/zero3, zeropp, hsdp, zero_topo and zero_topo_paper .yml, each also
+in its other precision; column "preset") that are not among them, with the configs' activation
+checkpointing; a row that does not fit says which phase and terms exceed the budget. The summary gives
 the best per node count and its scaling efficiency against the smallest count. Link and device
 figures are --figures' (auto: frontier-measured on --topology frontier, docs/frontier-model.md), with
 a probe's (tools/probe_links.py) on top with --probe.
@@ -25,16 +28,19 @@ from pathlib import Path
 
 from megatron.config import ConfigError, load_config
 from megatron.topology import Topology
+from megatron.topology.errors import TopologyError
+from megatron.topology.layout import display_name
 from megatron.analytic.comm_model import CommModelError
 from megatron.analytic.figure_sets import FIGURE_SET_NAMES
 from megatron.analytic.model_inputs import figure_set_of, figures_note, padded_vocab_of
 from megatron.config.quant_spec import QuantSpec
-from megatron.analytic.planner import (GB, QUANT_CHOICES, describe, inputs_from_config, quant_spec,
-                                        search)
+from megatron.analytic.planner import (GB, PRESET_CONFIGS, QUANT_CHOICES, describe, inputs_from_config,
+                                        preset_candidate, preset_rows, quant_spec, ranked, search, why_not)
 from megatron.analytic.hardware import Hardware
 from megatron.analytic.time_model import scaling_efficiency
 
 TIER_COLUMNS = ("inter_node", "intra_node", "intra_gpu")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_size(text: str) -> float:
@@ -65,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpointing", choices=("config", "on", "off", "both"), default="both")
     p.add_argument("--no-zeropp", action="store_true", help="leave ZeRO++ (hpZ) out of the candidates")
     p.add_argument("--top", type=int, default=12, help="rows per node count, fastest first (0 = all)")
+    p.add_argument("--no-presets", action="store_true", help="leave out the named presets' rows")
     p.add_argument("--markdown", action="store_true")
-    p.add_argument("--json", help="write every row here")
+    p.add_argument("--json", help="write every row here (times every candidate, also those that do not fit: slower)")
     return p.parse_args(argv)
 
 
@@ -79,8 +86,9 @@ def machine_overrides(args, nodes: int) -> list:
 
 
 def plan_nodes(args, nodes: int):
-    cfg = load_config(args.configs, [*args.overrides, *machine_overrides(args, nodes),
-                                     f"topology.figure_set={args.figures}"], notices=[])
+    """(the plan, its inputs, {preset label: candidate or why it has none}) for one node count."""
+    machine = [*machine_overrides(args, nodes), f"topology.figure_set={args.figures}"]
+    cfg = load_config(args.configs, [*args.overrides, *machine], notices=[])
     vocab = padded_vocab_of(cfg)
     if vocab is None:
         raise ConfigError(f"the vocabulary is unknown: the tokenizer file {cfg.tokenizer.vocab_file!r} is not there "
@@ -98,23 +106,59 @@ def plan_nodes(args, nodes: int):
             "both": (False, True)}[args.checkpointing]
     if nodes == min(int(n) for n in args.nodes.split(",")) and not args.probe and figures_note(cfg):
         print(figures_note(cfg))  # once: the published set was chosen for this Frontier topology
-    return search(cfg.topology.layout, inputs, quants=quants, checkpointing=ckpt, include_zeropp=not args.no_zeropp)
+    plan = search(cfg.topology.layout, inputs, quants=quants, checkpointing=ckpt, include_zeropp=not args.no_zeropp)
+    presets = {}
+    if not args.no_presets:
+        # the configs' checkpointing, unless the table is asked for one setting only
+        preset_ckpt = ckpt[0] if len(ckpt) == 1 else bool(cfg.model.checkpoint_activations)
+        for label, name, sets in PRESET_CONFIGS:
+            try:
+                preset_cfg = load_config([*args.configs, str(REPO / "configs" / f"{name}.yml")],
+                                         [*args.overrides, *machine, *sets], notices=[])
+                presets[label] = preset_candidate(preset_cfg, preset_ckpt)
+            except (ConfigError, TopologyError) as err:
+                presets[label] = f"not on this layout: {err}"
+    return plan, inputs, presets
 
 
-def row_cells(row, best) -> list:
+def row_cells(row, best, budget: float, presets: str = "") -> list:
+    """One table row; ``presets``: the named presets this row is (comma-separated labels)."""
     c = row.candidate
     bits = c.quant.phase_bits
     w, g, os_ = row.factors
-    return ["*" if row is best else "", "zeropp" if c.layout.hpz else row.name, f"({w}, {g}, {os_})",
+    layout = "zeropp" if c.layout.hpz else display_name(row.name)
+    if c.cross_node_reduction != "reduce_scatter":
+        layout += f" ({c.cross_node_reduction})"
+    return ["*" if best is not None and row.candidate.key == best.candidate.key else "", presets, layout,
+            f"({w}, {g}, {os_})",
             "/".join(str(bits[k]) for k in ("weight_gather_bits", "grad_reduce_bits", "cross_node_grad_bits",
                                              "refresh_bits")),
             "on" if c.checkpointed else "off", f"{row.peak_bytes / GB:.1f}", "yes" if row.feasible else "no",
             *[f"{row.bytes_per_tier.get(t, 0.0) / GB:.2f}" for t in TIER_COLUMNS],
-            f"{row.time.total_s:.3f}", f"{row.time.tflops_per_device:.1f}"]
+            f"{row.time.total_s:.3f}", f"{row.time.tflops_per_device:.1f}",
+            "" if row.feasible else why_not(row, budget)]
 
 
-HEADER = ["", "layout", "(w, g, os)", "bits w/g/x/r", "ckpt", "peak GB", "fits", "inter GB", "intra_node GB",
-          "intra_gpu GB", "step s", "TFLOPS"]
+HEADER = ["", "preset", "layout", "(w, g, os)", "bits w/g/x/r", "ckpt", "peak GB", "fits", "inter GB",
+          "intra_node GB", "intra_gpu GB", "step s", "TFLOPS", "why it does not fit"]
+
+
+def table_rows(plan, inputs, presets: dict, top: int) -> list:
+    """(row, preset labels, "") for the --top rows, then for each named preset not among them; and
+    (None, label, why) for a preset this layout cannot run."""
+    shown = ranked(plan, inputs, top)
+    if plan.best is not None and all(r.candidate.key != plan.best.candidate.key for r in shown):
+        shown = [plan.best] + shown
+    labels: dict = {}
+    extra, refused = [], []
+    for label, row in preset_rows(plan, presets, inputs).items():
+        if isinstance(row, str):
+            refused.append((None, label, row))
+            continue
+        if row.candidate.key not in labels and all(r.candidate.key != row.candidate.key for r in shown + extra):
+            extra.append(row)
+        labels.setdefault(row.candidate.key, []).append(label)
+    return [(r, ", ".join(labels.get(r.candidate.key, [])), "") for r in shown + extra] + refused
 
 
 def phases_text(row) -> str:
@@ -128,31 +172,36 @@ def render(header: list, rows: list, markdown: bool) -> str:
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                          + ["| " + " | ".join(r) + " |" for r in rows])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(r, widths)) for r in [header] + rows)
+    text = [h == HEADER[-1] for h in header]  # the reason reads left to right; numbers align right
+    return "\n".join("  ".join(str(x).ljust(w) if left else str(x).rjust(w) for x, w, left in zip(r, widths, text)).rstrip()
+                     for r in [header] + rows)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         counts = [int(n) for n in args.nodes.split(",")] if args.topology != "sim" else [0]
-        plans = {n: plan_nodes(args, n) for n in counts}
+        planned = {n: plan_nodes(args, n) for n in counts}
     except (ConfigError, CommModelError, ValueError) as err:
         print(f"plan: error: {err}", file=sys.stderr)
         return 2
+    plans = {n: plan for n, (plan, _, _) in planned.items()}
     dump = {}
-    for n, plan in plans.items():
-        ordered = sorted(plan.rows, key=lambda r: (not r.feasible, r.time.total_s))
-        shown = ordered[:args.top] if args.top else ordered
-        if plan.best is not None and plan.best not in shown:
-            shown = [plan.best] + shown
+    for n, (plan, inputs, presets) in planned.items():
+        rows = table_rows(plan, inputs, presets, args.top)
         where = f"{n} nodes" if n else f"layout {args.layout}"
         print(f"\n{'### ' if args.markdown else ''}{where}: {len(plan.rows)} candidates, budget "
               f"{plan.budget / GB:.1f} GB per device, figures {plan.source}\n")
-        print(render(HEADER, [row_cells(r, plan.best) for r in shown], args.markdown))
+        cells = [row_cells(r, plan.best, plan.budget, labels) if r is not None
+                 else ["", labels] + [""] * (len(HEADER) - 3) + [refused] for r, labels, refused in rows]
+        header = HEADER if any(c[-1] for c in cells) else HEADER[:-1]  # the reason column only when a row needs it
+        print(render(header, [c[:len(header)] for c in cells], args.markdown))
         print(f"\nbest: {plan.reason()}" if plan.best else f"\nnone fits: {plan.reason()}")
         if plan.best:
             print(f"best, seconds on the critical path by phase: {phases_text(plan.best)}")
-        dump[n] = [dict(zip(HEADER[1:], row_cells(r, plan.best)[1:])) | {"best": r is plan.best} for r in ordered]
+        if args.json:
+            dump[n] = [dict(zip(HEADER[1:], row_cells(r, plan.best, plan.budget)[1:]))
+                       | {"best": r is plan.best} for r in ranked(plan, inputs)]
     best = {n: p.best.time.tflops_per_device for n, p in plans.items() if p.best}
     if len(best) > 1:
         eff = scaling_efficiency(best)

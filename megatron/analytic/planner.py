@@ -9,6 +9,13 @@ the shortest step (ties: fewer inter-node bytes, then the larger factors). ``too
 the whole table; ``zero_optimization.plan: auto`` runs the same search at start-up
 (``planned_config``) over the config's quantization and activation checkpointing (and, with
 ``plan_quantize``, the quantization choices below) and logs why it chose what it chose.
+
+A candidate whose peak does not fit is never chosen and a table lists those that fit first, so
+``search`` times only the candidates that fit (the memory model is cheap, the time model is not);
+``exhaustive=True`` times every one, as the search did before, and tests/test_planner_exact.py
+holds the two to the same choice and rows. ``preset_rows`` scores the named presets a user
+compares the choice with (configs/zero3.yml, zeropp, hsdp, zero_topo, zero_topo_paper; each also
+quantized) on the same inputs, whether or not the search ranks them high.
 """
 from __future__ import annotations
 
@@ -19,11 +26,11 @@ from typing import Optional, Sequence
 
 from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
 from megatron.topology.errors import TopologyError
-from megatron.analytic.comm_model import CommSpec, transformer_block_units
+from megatron.analytic.comm_model import CommSpec, step_collectives, transformer_block_units
 from megatron.config.quant_spec import QuantSpec
-from megatron.analytic.memory_model import device_peak_bytes, predict_peak_bytes
+from megatron.analytic.memory_model import HOST_TERMS, device_phase_bytes, predict_peak_bytes
 from megatron.analytic.hardware import Hardware
-from megatron.analytic.time_model import StepTime, StepWork, ledger_bytes_by_tier, step_time
+from megatron.analytic.time_model import StepTime, StepWork, collectives_bytes_by_tier, step_time
 
 GB = 1e9
 # Quantization choices the planner tries (when asked to): none, the step boundary only (INT4
@@ -63,6 +70,14 @@ class Candidate:
     quant_name: str
     quant: QuantSpec
     checkpointed: bool
+    cross_node_reduction: str = "reduce_scatter"
+    """The step boundary's cross hop: the search scores ours; the paper's zero_topo (all_reduce) is a preset row."""
+
+    @property
+    def key(self) -> tuple:
+        """What the models read of a candidate (not the quantization's name): equal keys, equal rows."""
+        return (self.layout.tiers, self.layout.factors, self.layout.hpz, self.quant, self.checkpointed,
+                self.cross_node_reduction)
 
 
 @dataclass(frozen=True)
@@ -70,10 +85,13 @@ class PlanRow:
     candidate: Candidate
     peak_bytes: float
     """The largest phase peak of one device, host-side staging left out (memory_model.device_peak_bytes)."""
-    bytes_per_tier: dict
-    """{tier: bytes one rank sends per step} (all ranks' ledger / N)."""
-    time: StepTime
+    bytes_per_tier: Optional[dict]
+    """{tier: bytes one rank sends per step} (all ranks' ledger / N); None where not timed (``time``)."""
+    time: Optional[StepTime]
+    """None for a candidate that does not fit and was not asked for (``search``: exhaustive)."""
     feasible: bool
+    peak_terms: dict = field(default_factory=dict, compare=False)
+    """{term: bytes} of the phase that sets ``peak_bytes`` (device terms; "phase": its name): why it fits or not."""
 
     @property
     def name(self) -> str:
@@ -151,20 +169,32 @@ def quant_spec(name: str, block: int) -> QuantSpec:
     return QuantSpec.from_settings(block_size=block, **QUANT_CHOICES[name])
 
 
-def evaluate(candidate: Candidate, inputs: PlanInputs) -> PlanRow:
-    layout = candidate.layout
+def comm_spec(candidate: Candidate, inputs: PlanInputs) -> CommSpec:
     units = inputs.unit_numels
-    spec = CommSpec(units, layout,
+    return CommSpec(units, candidate.layout,
                     micro_batches=inputs.micro_batches, compute_bytes=inputs.compute_bytes,
                     fp32_allreduce=inputs.fp32_allreduce, quant=candidate.quant,
                     checkpointed_units=transformer_block_units(len(units)) if candidate.checkpointed else frozenset(),
                     reductions_in_flight=inputs.reductions_in_flight,
-                    reduce_bucket_elements=inputs.reduce_bucket_elements)
-    peak = device_peak_bytes(predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed],
-                                                inputs.autocast_copies.get(candidate.checkpointed, 0)))
-    per_tier = {tier: nbytes / layout.world_size for tier, nbytes in ledger_bytes_by_tier(spec).items()}
-    return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work),
-                   peak <= inputs.memory_budget)
+                    reduce_bucket_elements=inputs.reduce_bucket_elements,
+                    cross_node_reduction=candidate.cross_node_reduction)
+
+
+def evaluate(candidate: Candidate, inputs: PlanInputs, timed: bool = True) -> PlanRow:
+    """The candidate's memory peak, and unless ``timed`` is false its bytes per tier and step time."""
+    spec = comm_spec(candidate, inputs)
+    peaks = predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed],
+                               inputs.autocast_copies.get(candidate.checkpointed, 0))
+    phase = max(peaks, key=lambda name: device_phase_bytes(peaks[name]))  # device_peak_bytes, and which
+    peak = device_phase_bytes(peaks[phase])
+    terms = {"phase": phase, **{t: b for t, b in peaks[phase].items() if t not in HOST_TERMS and t != "total"}}
+    feasible = peak <= inputs.memory_budget
+    if not timed:
+        return PlanRow(candidate, float(peak), None, None, feasible, terms)
+    collectives = step_collectives(spec)  # once for both models: building them is half the cost
+    per_tier = {tier: nbytes / spec.world_size for tier, nbytes in collectives_bytes_by_tier(spec, collectives).items()}
+    return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work, collectives),
+                   feasible, terms)
 
 
 def _score(row: PlanRow) -> tuple:
@@ -173,17 +203,75 @@ def _score(row: PlanRow) -> tuple:
 
 def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] = ("none",),
            checkpointing: Sequence[bool] = (True,), include_zeropp: bool = True,
-           quants: Optional[dict] = None) -> Plan:
-    """Every candidate on ``tiers``, scored; ``quants`` ({name: QuantSpec}) overrides ``quant_names``."""
+           quants: Optional[dict] = None, exhaustive: bool = False) -> Plan:
+    """Every candidate on ``tiers``, scored; ``quants`` ({name: QuantSpec}) overrides ``quant_names``.
+    Only the candidates that fit are timed unless ``exhaustive`` (the others: ``time`` None; the
+    choice cannot be one of them, and ``ranked`` times them when a table reaches them)."""
     quants = quants or {name: quant_spec(name, inputs.quant_block) for name in quant_names}
     rows = []
     for layout in candidate_layouts(tiers, include_zeropp):
         for qname, quant in quants.items():
             for checkpointed in checkpointing:
-                rows.append(evaluate(Candidate(layout, qname, quant, checkpointed), inputs))
+                row = evaluate(Candidate(layout, qname, quant, checkpointed), inputs, timed=False)
+                rows.append(evaluate(row.candidate, inputs) if row.feasible or exhaustive else row)
     feasible = [r for r in rows if r.feasible]
     return Plan(tuple(rows), min(feasible, key=_score) if feasible else None, inputs.memory_budget,
                 inputs.hardware.source)
+
+
+def ranked(plan: Plan, inputs: PlanInputs, top: int = 0) -> list:
+    """The table's rows: those that fit, fastest first, then those that do not, fastest first (the
+    first ``top``; 0: all). Rows the search left untimed are timed here when the table reaches them."""
+    fit = sorted((r for r in plan.rows if r.feasible), key=lambda r: r.time.total_s)
+    if top and len(fit) >= top:
+        return fit[:top]
+    rest = [r if r.time is not None else evaluate(r.candidate, inputs) for r in plan.rows if not r.feasible]
+    out = fit + sorted(rest, key=lambda r: r.time.total_s)
+    return out[:top] if top else out
+
+
+# -- the named presets beside the choice ---------------------------------------------------------
+
+# (label, configs/<file>.yml, overrides): the presets users compare a plan with (bench/presets.py's
+# names), each as shipped and with the other precision: the 16-bit ones also with qwZ + qgZ (INT8
+# weight gathers, INT4 gradient hops), the paper's zero_topo (shipped quantized) also in 16 bits.
+QUANTIZED = ("zero_optimization.zero_quantized_weights=true", "zero_optimization.zero_quantized_gradients=true")
+SIXTEEN_BIT = ("zero_optimization.zero_quantized_weights=false", "zero_optimization.zero_quantized_gradients=false")
+PRESET_CONFIGS = (
+    ("zero3", "zero3", ()), ("zero3 int8/int4", "zero3", QUANTIZED),
+    ("zeropp", "zeropp", ()), ("zeropp int8/int4", "zeropp", QUANTIZED),
+    ("hsdp", "hsdp", ()), ("hsdp int8/int4", "hsdp", QUANTIZED),
+    ("zero_topo", "zero_topo", ()), ("zero_topo int8/int4", "zero_topo", QUANTIZED),
+    ("zero_topo_paper 16-bit", "zero_topo_paper", SIXTEEN_BIT), ("zero_topo_paper", "zero_topo_paper", ()),
+)
+
+
+def preset_candidate(cfg, checkpointed: bool) -> Candidate:
+    """The candidate a loaded config runs as (its layout, quantization and cross hop)."""
+    return Candidate(ShardLayout.from_config(cfg), "config", QuantSpec.from_config(cfg.zero), checkpointed,
+                     cfg.zero.cross_node_reduction)
+
+
+def preset_rows(plan: Plan, candidates: dict, inputs: PlanInputs) -> dict:
+    """{label: the row of each preset candidate}: the search's own row where it holds the same
+    candidate (so a table can mark it), else one evaluated here; ``candidates`` values that are not
+    candidates (a preset the layout refuses: its error's text) pass through."""
+    searched = {r.candidate.key: r for r in plan.rows}
+    out = {}
+    for label, cand in candidates.items():
+        if not isinstance(cand, Candidate):
+            out[label] = cand
+            continue
+        row = searched.get(cand.key)
+        out[label] = row if row is not None and row.time is not None else evaluate(cand, inputs)
+    return out
+
+
+def why_not(row: PlanRow, budget: float) -> str:
+    """Why a row does not fit, in one phrase: the phase over budget and its largest terms."""
+    terms = sorted(((b, t) for t, b in row.peak_terms.items() if t != "phase" and b), reverse=True)[:3]
+    return (f"{row.peak_terms.get('phase', 'peak')} {row.peak_bytes / GB:.1f} GB > {budget / GB:.3g} GB: "
+            + ", ".join(f"{t} {b / GB:.1f}" for b, t in terms))
 
 
 # -- zero_optimization.plan: auto ------------------------------------------------------------------

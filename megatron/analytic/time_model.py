@@ -42,7 +42,7 @@ from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
 from megatron.analytic.comm_model import (Collective, CommModelError, CommSpec, groups_of_kind, padded_unit_numels,
-                                           step_collectives, tier_between)
+                                           step_collectives)
 from megatron.topology.names import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, TIERS_BY_DEPTH
 from megatron.topology.algorithms import (ALL_TO_ALL_SUM, PAIRWISE_ALL_TO_ALL, RING_ALLGATHER, RING_ALLREDUCE,
                                            RING_REDUCE_SCATTER, AlgorithmError, collective_algorithm)
@@ -57,8 +57,21 @@ COMPUTE, RECOMPUTE, OPTIMIZER = "compute", "recompute", "optimizer"
 # -- one collective ------------------------------------------------------------------------------
 
 def spans_one_tier(ranks: Sequence[int], layout: tuple) -> bool:
-    """Every pair of members is separated by the same tier (gloo's reduce-scatter then is an all-to-all)."""
-    return len({tier_between(a, b, layout) for i, a in enumerate(ranks) for b in ranks[i + 1:]}) <= 1
+    """Every pair of members is separated by the same tier (gloo's reduce-scatter then is an all-to-all).
+
+    Counted rather than paired (a world group at 384 ranks is 74k pairs, and the planner asks for
+    thousands of groups): a pair is separated by the slowest tier whose digit differs
+    (``comm_model.tier_between``), so tier d separates some pair exactly when two members share the
+    digits slower than d and differ in d's."""
+    present = 0
+    for depth in range(len(layout)):
+        inner = math.prod(layout[depth + 1:])  # rank // inner: the digits down to tier d
+        outer = inner * layout[depth]  # rank // outer: the digits slower than tier d
+        digits: dict = {}
+        for r in ranks:
+            digits.setdefault(r // outer, set()).add(r // inner)
+        present += any(len(d) > 1 for d in digits.values())
+    return present <= 1
 
 
 def algorithm_of(op: str, ranks: Sequence[int], layout: tuple, backend: str) -> str:
@@ -105,6 +118,12 @@ def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tu
     per_node = math.prod(layout[1:])
     per_gpu = layout[-1] if len(layout) == 3 else per_node
 
+    def tier(src: int, dst: int) -> str:
+        """``comm_model.tier_between`` of two distinct ranks by division (this loop runs N times per group kind)."""
+        if src // per_node != dst // per_node:
+            return "inter_node"
+        return "intra_gpu" if len(layout) == 3 and src // per_gpu == dst // per_gpu else "intra_node"
+
     def add(tier: str, src: int, dst: int, share: float) -> None:
         a, b = (src // per_node, dst // per_node) if tier == "inter_node" else (src, dst)
         out[tier][a] = out[tier].get(a, 0.0) + share
@@ -127,12 +146,26 @@ def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tu
             share = (2.0 if algorithm == RING_ALLREDUCE else 1.0) * (k - 1) / k
             ring = sorted(grp)
             for src, dst in zip(ring, ring[1:] + ring[:1]):
-                add(tier_between(src, dst, layout), src, dst, share)
+                add(tier(src, dst), src, dst, share)
     return out, into
 
 
-@lru_cache(maxsize=4096)
+def _kind_factors(kind: str, factors: tuple) -> tuple:
+    """The nested factors that make the same groups of ``kind`` as ``factors`` with the factors the
+    kind does not read collapsed (``comm_model.groups_of_kind``: weight reads w, stride w and g,
+    cross g and os, replica os, the others none), so the many layouts of a planner search that share
+    a kind's groups share their footprint."""
+    w, g, os_ = factors
+    return {"weight": (w, w, w), "stride": (w, g, g), "cross": (g, g, os_),
+            "replica": (os_, os_, os_)}.get(kind, (1, 1, 1))
+
+
 def _kind_footprint(layout: tuple, factors: tuple, kind: str, op: str, backend: str) -> Footprint:
+    return _groups_footprint(layout, _kind_factors(kind, factors), kind, op, backend)
+
+
+@lru_cache(maxsize=4096)
+def _groups_footprint(layout: tuple, factors: tuple, kind: str, op: str, backend: str) -> Footprint:
     spec = _GroupSpec(layout, factors)
     groups = groups_of_kind(kind, spec)
     return footprint(groups, layout, algorithm_of(op, groups[0], layout, backend))
@@ -163,9 +196,13 @@ _LEDGER_ALGORITHM = {ALL_GATHER: RING_ALLGATHER, REDUCE_SCATTER: RING_REDUCE_SCA
                      ALL_TO_ALL: PAIRWISE_ALL_TO_ALL}
 
 
-@lru_cache(maxsize=4096)
 def _kind_sent_by_tier(layout: tuple, factors: tuple, kind: str, op: str) -> dict:
     """{tier: bytes all ranks send per byte of B} under the ledger's rule (comm_model._sent_bytes)."""
+    return _groups_sent_by_tier(layout, _kind_factors(kind, factors), kind, op)
+
+
+@lru_cache(maxsize=4096)
+def _groups_sent_by_tier(layout: tuple, factors: tuple, kind: str, op: str) -> dict:
     groups = groups_of_kind(kind, _GroupSpec(layout, factors))
     if len(groups[0]) == 1:
         return {}
@@ -183,8 +220,12 @@ def collectives_bytes_by_tier(spec: CommSpec, collectives: Optional[list] = None
     """{tier: bytes all ranks send per step} of ``collectives`` (default: the engine's for ``spec``;
     another library's list, deepspeed_model.py, on the spec's groups) under the ledger's rule."""
     out: dict = {}
+    tiers, factors, shares = spec.layout.tiers, spec.factors, {}
     for col in step_collectives(spec) if collectives is None else collectives:
-        for tier, share in _kind_sent_by_tier(spec.layout.tiers, spec.factors, col.group, col.op).items():
+        key = (col.group, col.op)
+        if key not in shares:  # a step has a few kinds of collective and hundreds of collectives
+            shares[key] = _kind_sent_by_tier(tiers, factors, col.group, col.op).items()
+        for tier, share in shares[key]:
             out[tier] = out.get(tier, 0.0) + share * col.nbytes * col.count
     return out
 
@@ -374,13 +415,18 @@ def _comm_by_slot(spec: CommSpec, hw: Hardware, collectives: Optional[list] = No
     per_micro: dict = {}
     boundary, totals, inter = [], {}, {}
     a = spec.micro_batches
+    tiers, factors, seen = spec.layout.tiers, spec.factors, {}
     for col in step_collectives(spec) if collectives is None else collectives:
-        once = transfer_of(col, spec, hw)
+        # The blocks of a model are alike: one step's hundreds of collectives are a few dozen distinct
+        # ones, each timed once (the unit and the count are not the transfer's).
+        key = (col.phase, col.op, col.group, col.numel, col.elem_bytes, col.bits, col.kernel_elements, col.copy_bytes)
+        if key not in seen:
+            seen[key] = (transfer_of(col, spec, hw), _kind_footprint(tiers, factors, col.group, col.op, hw.backend))
+        once, fp = seen[key]
         seconds = col.count * (once.wire_s + once.kernel_s)
         if not seconds:
             continue
         totals[col.phase] = totals.get(col.phase, 0.0) + seconds
-        fp = _kind_footprint(spec.layout.tiers, spec.factors, col.group, col.op, hw.backend)
         if fp.domain_load.get("inter_node", 0.0) > 0:
             inter[col.phase] = inter.get(col.phase, 0.0) + seconds
         if col.phase in BOUNDARY_PHASES or col.phase == "eval_gather" or col.unit is None:
