@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-slow bench clean docs repro
+.PHONY: venv demo test test-slow test-slurm bench clean docs repro
 
 venv: $(STAMP)
 
@@ -46,7 +46,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not slurm"
+
+# The job scripts under a real Slurm on this machine (docs/launch.md, "A real Slurm here"): installs
+# Debian's slurm-wlm and munge when missing (root), starts slurmctld + two slurmd, submits with sbatch.
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -m slurm tests/test_slurm_real.py
 
 docs: $(STAMP)
 	$(PY) -m megatron.config.docs > docs/config.md

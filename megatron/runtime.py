@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Mapping, Optional, TypeVar
@@ -215,6 +216,17 @@ def launched_as(env: Optional[Mapping[str, str]] = None) -> tuple[int, int, int]
             _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0))
 
 
+SHOW_LAUNCH = "NEOX_TOPO_SHOW_LAUNCH"  # =1: every rank prints `launch_line` at start (docs/launch.md)
+
+
+def launch_line(env: Mapping[str, str], rank: int, world_size: int, local_rank: int) -> str:
+    """One rank's view of its launch, for checking a new cluster's job scripts:
+    'launch: rank 3 of 4, local rank 1, node node2, rendezvous node1:20017'."""
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return (f"launch: rank {rank} of {world_size}, local rank {local_rank}, node {node}, "
+            f"rendezvous {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}")
+
+
 def init_runtime(cfg) -> Runtime:
     """Read rank/world size from torchrun-style or Slurm variables and join the process group.
 
@@ -223,6 +235,8 @@ def init_runtime(cfg) -> Runtime:
     of it (a connection of its own). ``launcher.distributed_timeout_minutes`` bounds the rendezvous
     and every collective."""
     rank, world_size, local_rank = launched_as()
+    if os.environ.get(SHOW_LAUNCH) == "1":
+        print(launch_line(os.environ, rank, world_size, local_rank), flush=True)
     expected = world_size_of(cfg)
     if world_size != expected:
         raise ConfigError(f"the configured layout has {expected} ranks but {world_size} processes were "

@@ -63,7 +63,8 @@ SlurmUser=${user}
 SlurmdUser=${user}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${work}/munge/munge.socket
+# cred_expire: also how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket=${work}/munge/munge.socket,cred_expire=${NEOX_SLURM_CRED_EXPIRE:-10}
 StateSaveLocation=${work}/state
 SlurmdSpoolDir=${work}/spool/%n
 SlurmctldPidFile=${run}/slurmctld.pid
@@ -81,6 +82,8 @@ JobCompLoc=${work}/log/jobcomp.log
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Passes every 2 s (defaults 60 and 30 s): a requeued job, eligible again after cred_expire, starts then.
+SchedulerParameters=sched_interval=2,bf_interval=2
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
@@ -129,6 +132,26 @@ wait_until_idle() {
   return 1
 }
 
+# The emulated nodes' names must resolve (deepy's MASTER_ADDR is the allocation's first node name): a
+# marked line in /etc/hosts, added only for names that do not resolve, removed again by `stop`.
+hosts_marker="# neox-topo local_cluster ${work}"
+add_host_names() {
+  local node missing=()
+  for node in "${nodes[@]}"; do getent hosts "${node}" >/dev/null || missing+=("${node}"); done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ ! -w /etc/hosts ]; then
+    say "the node names ${missing[*]} do not resolve and /etc/hosts is not writable: add '127.0.0.1 ${missing[*]}' to it"
+    exit 2
+  fi
+  echo "127.0.0.1 ${missing[*]} ${hosts_marker}" >> /etc/hosts
+}
+remove_host_names() {
+  grep -qF "${hosts_marker}" /etc/hosts 2>/dev/null || return 0
+  grep -vF "${hosts_marker}" /etc/hosts > "${work}/hosts.kept"
+  cat "${work}/hosts.kept" > /etc/hosts  # rewritten in place: in a container /etc/hosts is often a mount
+  rm -f "${work}/hosts.kept"
+}
+
 stop_pid_file() {
   local file=$1 pid
   pid=$(live_pid "${file}") || { rm -f "${file}"; return 0; }
@@ -150,6 +173,7 @@ stop_cluster() {
   for node in "${nodes[@]}"; do stop_pid_file "${run}/slurmd-${node}.pid"; done
   stop_pid_file "${run}/slurmctld.pid"
   stop_pid_file "${run}/munged.pid"
+  remove_host_names
   say "stopped"
 }
 
@@ -167,6 +191,7 @@ case "${1:-}" in
   start)
     install_if_missing
     write_config
+    add_host_names
     start_munge
     start_daemons
     wait_until_idle ;;
