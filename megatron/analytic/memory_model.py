@@ -23,6 +23,15 @@ def predict_model_state_bytes(spec: CommSpec) -> dict:
     multiple of the sharding), so all ranks report the same bytes; the per-rank form is kept so a
     measured table can be compared rank by rank.
     """
+    held = model_state_bytes_per_rank(spec)
+    out: dict = {rank: dict(held) for rank in range(spec.world_size)}
+    out["per_rank"] = {cat: max(out[r][cat] for r in range(spec.world_size)) for cat in held}
+    return out
+
+
+def model_state_bytes_per_rank(spec: CommSpec) -> dict:
+    """{category: bytes} one rank holds (``predict_model_state_bytes``' "per_rank", without the
+    rank-by-rank form: the peak and the planner ask for it thousands of times at 384 ranks)."""
     w, g, os_ = spec.factors
     c, r = spec.compute_bytes, spec.ranks_per_node
     bits, block = spec.quant.weight_gather_bits, spec.quant.block_size
@@ -40,9 +49,7 @@ def predict_model_state_bytes(spec: CommSpec) -> dict:
     if residuals:
         held["error_feedback"] = residuals
     held["total"] = sum(held.values())
-    out: dict = {rank: dict(held) for rank in range(spec.world_size)}
-    out["per_rank"] = {cat: max(out[r][cat] for r in range(spec.world_size)) for cat in held}
-    return out
+    return held
 
 
 def error_feedback_elements(spec: CommSpec, padded_numel: int) -> int:
@@ -126,7 +133,7 @@ def predict_peak_bytes(spec: CommSpec, activations=0, autocast_copies: int = 0) 
     if spec.world_size == 1:
         return predict_single_process_peak_bytes(spec, activations, autocast_copies)
     at_start, in_backward = _activation_moments(activations)
-    held = predict_model_state_bytes(spec)["per_rank"]
+    held = model_state_bytes_per_rank(spec)
     states, residuals = held["total"], held.get("error_feedback", 0)
     between_steps = states - held["secondary"]  # hpZ's copy lives from a step's first gather to its end
     w, g, os_ = spec.factors

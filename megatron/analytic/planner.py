@@ -183,18 +183,24 @@ def comm_spec(candidate: Candidate, inputs: PlanInputs) -> CommSpec:
 def evaluate(candidate: Candidate, inputs: PlanInputs, timed: bool = True) -> PlanRow:
     """The candidate's memory peak, and unless ``timed`` is false its bytes per tier and step time."""
     spec = comm_spec(candidate, inputs)
+    row = _memory_row(candidate, spec, inputs)
+    return _timed_row(row, spec, inputs) if timed else row
+
+
+def _memory_row(candidate: Candidate, spec: CommSpec, inputs: PlanInputs) -> PlanRow:
     peaks = predict_peak_bytes(spec, inputs.activation_bytes[candidate.checkpointed],
                                inputs.autocast_copies.get(candidate.checkpointed, 0))
     phase = max(peaks, key=lambda name: device_phase_bytes(peaks[name]))  # device_peak_bytes, and which
     peak = device_phase_bytes(peaks[phase])
     terms = {"phase": phase, **{t: b for t, b in peaks[phase].items() if t not in HOST_TERMS and t != "total"}}
-    feasible = peak <= inputs.memory_budget
-    if not timed:
-        return PlanRow(candidate, float(peak), None, None, feasible, terms)
+    return PlanRow(candidate, float(peak), None, None, peak <= inputs.memory_budget, terms)
+
+
+def _timed_row(row: PlanRow, spec: CommSpec, inputs: PlanInputs) -> PlanRow:
     collectives = step_collectives(spec)  # once for both models: building them is half the cost
     per_tier = {tier: nbytes / spec.world_size for tier, nbytes in collectives_bytes_by_tier(spec, collectives).items()}
-    return PlanRow(candidate, float(peak), per_tier, step_time(spec, inputs.hardware, inputs.work, collectives),
-                   feasible, terms)
+    return dataclasses.replace(row, bytes_per_tier=per_tier,
+                               time=step_time(spec, inputs.hardware, inputs.work, collectives))
 
 
 def _score(row: PlanRow) -> tuple:
@@ -212,8 +218,10 @@ def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] 
     for layout in candidate_layouts(tiers, include_zeropp):
         for qname, quant in quants.items():
             for checkpointed in checkpointing:
-                row = evaluate(Candidate(layout, qname, quant, checkpointed), inputs, timed=False)
-                rows.append(evaluate(row.candidate, inputs) if row.feasible or exhaustive else row)
+                candidate = Candidate(layout, qname, quant, checkpointed)
+                spec = comm_spec(candidate, inputs)
+                row = _memory_row(candidate, spec, inputs)
+                rows.append(_timed_row(row, spec, inputs) if row.feasible or exhaustive else row)
     feasible = [r for r in rows if r.feasible]
     return Plan(tuple(rows), min(feasible, key=_score) if feasible else None, inputs.memory_budget,
                 inputs.hardware.source)
