@@ -261,7 +261,7 @@ class LauncherConfig:
     num_nodes: int = doc(-1, "Nodes to use (-1 = all); for topology presets also the node count of the layout.")
     num_gpus: Optional[int] = doc(None, "Ranks per node (must match the topology preset when one is set).", ge=1)
     master_addr: Optional[str] = doc(None, "Rendezvous host; default 127.0.0.1 (local), the first host of the allocation (slurm).")
-    master_port: Optional[int] = doc(None, "Rendezvous port; default: a free port (local), $MASTER_PORT else 29500 (slurm), 29500 (hostfile).", ge=1, le=65535)
+    master_port: Optional[int] = doc(None, "Rendezvous port; default: a free port (local); $MASTER_PORT, else 20000 + the Slurm job id mod 10000 (slurm: jobs sharing a node get different ports unless their ids differ by a multiple of 10000; a requeued job keeps its port); 29500 (hostfile).", ge=1, le=65535)
     account: Optional[str] = doc(None, "launcher=slurm: srun --account.")
     comment: Optional[str] = doc(None, "launcher=slurm: srun --comment.")
     distributed_backend: str = doc("auto", "auto (nccl on GPUs, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))

@@ -15,7 +15,9 @@ LAUNCHER_GONE = 3  # a rank whose launcher died (deepy killed; under srun, its s
 # run again with `load` = `save` to continue. The job scripts requeue themselves on it.
 STOPPED_SAVED = 75
 # Stopped the same way but that step was not saved (no `save` folder, or the trainer declined to
-# save it): the shell's code for a process killed by SIGTERM, which no job script requeues.
+# save it): the shell's code for a process killed by SIGTERM, which no job script requeues. Under
+# srun --kill-on-bad-exit=1 a failed rank's peers are SIGTERMed and srun returns the highest code, so
+# one rank's 1 or 2 also comes back as 143 (docs/launch.md, "Exit codes").
 STOPPED_UNSAVED = 128 + signal.SIGTERM
 # A rank exiting with one of these finished cleanly (the launcher waits for the others, no "failed").
 STOP_CODES = (STOPPED_SAVED, STOPPED_UNSAVED)
