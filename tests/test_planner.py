@@ -145,3 +145,60 @@ def test_plan_cli_names_the_missing_tokenizer(tmp_path, capsys):
                           "--set", f"vocab_file={missing}"])
     err = capsys.readouterr().err
     assert code == 2 and str(missing) in err and "--set vocab_size=N" in err and err.count("\n") == 1
+
+
+def _markdown_rows(out: str) -> list:
+    """The table's data rows as {column: cell} (tools/plan.py --markdown)."""
+    lines = [x for x in out.splitlines() if x.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in x.strip("|").split("|")))) for x in lines[2:]]
+
+
+def _plan_cli(capsys, *args) -> list:
+    sys.path.insert(0, str(REPO / "tools"))
+    import plan as plan_cli
+    code = plan_cli.main([str(REPO / "configs" / "20B.yml"), "--topology", "frontier", "--nodes", "2", "--markdown", *args])
+    assert code == 0
+    return _markdown_rows(capsys.readouterr().out)
+
+
+def test_plan_cli_lists_every_named_preset_once_beside_the_top_rows(capsys):
+    from megatron.analytic.planner import PRESET_CONFIGS
+    rows = _plan_cli(capsys, "--top", "2")
+    labels = [label for r in rows for label in r["preset"].split(", ") if label]
+    assert sorted(labels) == sorted(label for label, _, _ in PRESET_CONFIGS)
+    assert len(rows) <= 2 + len(PRESET_CONFIGS) and rows[0][""] == "*"
+    by_label = {label: r for r in rows for label in r["preset"].split(", ") if label}
+    # 16 ranks, 8 per node, 2 per GPU: the presets' factors and bits as configs/<name>.yml mean them
+    expected = {"zero3": ("zero3", "(16, 16, 16)", "0/0/0/0"), "zero3 int8/int4": ("zero3", "(16, 16, 16)", "8/4/4/8"),
+                "hsdp": ("hsdp", "(8, 8, 8)", "0/0/0/0"), "zeropp int8/int4": ("zeropp", "(16, 16, 16)", "8/4/4/8"),
+                "zero_topo": ("zero_topo", "(2, 8, 16)", "0/0/0/0"),
+                "zero_topo_paper": ("zero_topo (all_reduce)", "(2, 8, 16)", "8/4/0/8"),
+                "zero_topo_paper 16-bit": ("zero_topo (all_reduce)", "(2, 8, 16)", "0/0/0/0")}
+    for label, (layout, factors, bits) in expected.items():
+        r = by_label[label]
+        assert (r["layout"], r["(w, g, os)"], r["bits w/g/x/r"], r["ckpt"]) == (layout, factors, bits, "on"), label
+    # the paper's all-reduce sends twice our reduce-scatter's bytes across nodes in the cross hop
+    assert float(by_label["zero_topo_paper 16-bit"]["inter GB"]) > float(by_label["zero_topo"]["inter GB"])
+
+
+def test_plan_cli_marks_a_preset_among_the_top_rows_with_the_searchs_own_numbers(capsys):
+    every = _plan_cli(capsys, "--top", "0", "--checkpointing", "on")
+    searched = [r for r in every if "(all_reduce)" not in r["layout"]]
+    assert len(searched) == len(candidate_layouts((2, 4, 2))) * 3  # every candidate, three quantizations
+    marked = {r["preset"]: r for r in searched if r["preset"]}
+    assert set(marked) == {"zero3", "zero3 int8/int4", "zeropp", "zeropp int8/int4", "hsdp", "hsdp int8/int4",
+                           "zero_topo", "zero_topo int8/int4"}
+    # below a shorter table's top rows, a preset shows the numbers of its row in the full table
+    top = _plan_cli(capsys, "--top", "1", "--checkpointing", "on")
+    for r in top[1:]:
+        if "(all_reduce)" not in r["layout"]:
+            assert r.items() <= marked[r["preset"]].items(), r["preset"]
+
+
+def test_plan_cli_says_why_a_preset_does_not_fit(capsys):
+    rows = _plan_cli(capsys, "--top", "1", "--memory-per-device", "30GB")
+    hsdp = next(r for r in rows if r["preset"] == "hsdp")
+    assert hsdp["fits"] == "no" and float(hsdp["peak GB"]) > 30
+    why = hsdp["why it does not fit"]
+    assert why.startswith(f"step {hsdp['peak GB']} GB > 30 GB: states ") and "activations" in why

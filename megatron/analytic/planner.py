@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors
+from megatron.topology.layout import CUSTOM, PRESETS, ZEROPP, ShardLayout, _preset_factors, display_name
 from megatron.topology.errors import TopologyError
 from megatron.analytic.comm_model import CommSpec, step_collectives, transformer_block_units
 from megatron.config.quant_spec import QuantSpec
@@ -130,7 +130,9 @@ class Plan:
 def describe(row: PlanRow) -> str:
     c = row.candidate
     w, g, os_ = row.factors
-    what = "zeropp (hpZ)" if c.layout.hpz else f"{row.name} (w, g, os) = ({w}, {g}, {os_})"
+    what = "zeropp (hpZ)" if c.layout.hpz else f"{display_name(row.name)} (w, g, os) = ({w}, {g}, {os_})"
+    if c.cross_node_reduction != "reduce_scatter":
+        what += f", cross hop {c.cross_node_reduction}"
     bits = c.quant.phase_bits
     quant = "unquantized" if not c.quant.enabled else "bits " + "/".join(
         str(bits[k]) for k in ("weight_gather_bits", "grad_reduce_bits", "cross_node_grad_bits", "refresh_bits"))
