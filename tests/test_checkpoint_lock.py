@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, run_deepy, run_together, tiny_run_config
 from megatron.checkpointing import lock as lock_module
 from megatron.checkpointing.checkpointer import Checkpointer
-from megatron.checkpointing.folders import CheckpointWarning, save_folder_conflict
+from megatron.checkpointing.folders import save_folder_conflict
 from megatron.checkpointing.lock import LOCK, FolderInUse, SaveFolderLock, _pid_start
 from megatron.checkpointing.rank_files import CheckpointError, load_meta
 from megatron.launch.exit_codes import STOPPED_SAVED, SUCCESS, USAGE_ERROR
