@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional
 
 from megatron.config.errors import ConfigError
@@ -152,8 +153,13 @@ def _validate(spec: CommSpec) -> None:
 def padded_unit_numels(spec: CommSpec) -> tuple:
     """S_u = ceil(P_u / q) * q for every unit, q the layout's padding quantum: N, or N x b with any
     phase quantized (``ShardLayout.padding_quantum`` says why)."""
-    block = spec.quant.block_size if spec.quant.enabled else None
-    return tuple(spec.layout.padded_size(p, block) for p in spec.unit_numels)
+    return _padded(spec.layout, tuple(spec.unit_numels), spec.quant.block_size if spec.quant.enabled else None)
+
+
+@lru_cache(maxsize=1024)
+def _padded(layout: ShardLayout, unit_numels: tuple, block: Optional[int]) -> tuple:
+    """Cached: one planner search asks for the same layout's sizes several times per candidate."""
+    return tuple(layout.padded_size(p, block) for p in unit_numels)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -117,12 +117,7 @@ def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tu
     into: dict = {t: {} for t in tiers}
     per_node = math.prod(layout[1:])
     per_gpu = layout[-1] if len(layout) == 3 else per_node
-
-    def tier(src: int, dst: int) -> str:
-        """``comm_model.tier_between`` of two distinct ranks by division (this loop runs N times per group kind)."""
-        if src // per_node != dst // per_node:
-            return "inter_node"
-        return "intra_gpu" if len(layout) == 3 and src // per_gpu == dst // per_gpu else "intra_node"
+    three = len(layout) == 3
 
     def add(tier: str, src: int, dst: int, share: float) -> None:
         a, b = (src // per_node, dst // per_node) if tier == "inter_node" else (src, dst)
@@ -145,8 +140,17 @@ def _sends(groups: Sequence[Sequence[int]], layout: tuple, algorithm: str) -> tu
         else:
             share = (2.0 if algorithm == RING_ALLREDUCE else 1.0) * (k - 1) / k
             ring = sorted(grp)
+            # comm_model.tier_between by division, inline: this loop runs N times per group kind
             for src, dst in zip(ring, ring[1:] + ring[:1]):
-                add(tier(src, dst), src, dst, share)
+                a, b = src // per_node, dst // per_node
+                if a != b:
+                    tier_out, tier_in = out["inter_node"], into["inter_node"]
+                else:
+                    a, b = src, dst
+                    tier = "intra_gpu" if three and src // per_gpu == dst // per_gpu else "intra_node"
+                    tier_out, tier_in = out[tier], into[tier]
+                tier_out[a] = tier_out.get(a, 0.0) + share
+                tier_in[b] = tier_in.get(b, 0.0) + share
     return out, into
 
 
