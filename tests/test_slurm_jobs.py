@@ -230,7 +230,8 @@ def test_env_sh_and_deepys_frontier_environment_agree(tmp_path, fake_slurm):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "FI_", "HSA_", "TRITON_"))}
     env.update(job, PATH=f"{fake_slurm['bin']}{os.pathsep}{env['PATH']}", STUB_SRUN_LOG=str(fake_slurm["srun_log"]),
                STUB_MODULE_LOG=str(fake_slurm["module_log"]), NEOX_TOPO_VENV=sys.prefix, NEOX_TOPO_SKIP_MODULES="1")
-    shown = subprocess.run(["bash", "-c", "set -euo pipefail; source tools/slurm/frontier/env.sh; trap - EXIT; "
+    # (env.sh's EXIT trap then removes the cache folders its srun made here, through the stub srun.)
+    shown = subprocess.run(["bash", "-c", "set -euo pipefail; source tools/slurm/frontier/env.sh; "
                             + "; ".join(f'echo "{k}=${{{k}}}"' for k in keys)],
                            cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
     from_env_sh = dict(line.split("=", 1) for line in shown.splitlines())
@@ -239,6 +240,7 @@ def test_env_sh_and_deepys_frontier_environment_agree(tmp_path, fake_slurm):
     assert from_env_sh == {k: from_deepy[k] for k in keys}
     assert from_env_sh["FI_CXI_RDZV_EAGER_SIZE"] == "0" and from_env_sh["TRITON_CACHE_DIR"] == "/tmp/triton-alice-4242"
     assert not fake_slurm["module_log"].exists()  # skipped
+    assert not Path("/tmp/miopen-alice-4242").exists() and not Path("/tmp/triton-alice-4242").exists()
 
 
 def test_submit_loss_curves_takes_the_node_counts_from_the_environment(tmp_path):
