@@ -187,6 +187,20 @@ def test_a_bad_latest_is_read_as_a_missing_one_with_one_warning(tmp_path, case):
     assert shown == f"warning: {ours[0].message}\n"  # one line, not Python's file:line + source line
 
 
+def test_a_bad_latest_passes_over_a_step_that_is_not_intact(tmp_path):
+    folder = tmp_path / "ck"
+    for step in (1, 2):
+        _save(folder, step)
+    cut = rank_file(folder / "global_step2", 0)
+    cut.write_bytes(cut.read_bytes()[:50])
+    (folder / "latest").write_bytes(b"")
+    with pytest.warns(CheckpointWarning) as caught:
+        assert latest_step_dir(folder) == folder / "global_step1"
+    assert [str(w.message) for w in caught] == [
+        f"`latest` in {folder} is empty: using the newest complete step, global_step1 (global_step2 is not intact: "
+        f"rank_00000.pt holds 50 bytes, its save wrote {json.loads((folder / 'global_step2' / 'meta.json').read_text())['rank_files']['rank_00000.pt']['bytes']})"]
+
+
 def test_garbage_in_latest_resumes_the_newest_step_with_one_line(tmp_path, tiny_corpus, tiny_two_step_save):
     """The probe of issue 39: binary garbage in `latest` crashed the resume with a UnicodeDecodeError."""
     folder = tmp_path / "ck"

@@ -10,7 +10,8 @@ whether a new run may save there. No torch: deepy.py checks the save folder befo
 
 A `latest` that cannot be used (binary garbage, empty, a name that is not a step, a step that is
 not complete) is treated as a missing one, with one warning line: the newest complete step is
-loaded, as when `latest` is absent. Why not start from scratch, as DeepSpeed does without `latest`:
+loaded, as when `latest` is absent (passing over steps whose files are not all there at their
+saved length). Why not start from scratch, as DeepSpeed does without `latest`:
 the run would then save over the steps it ignored.
 """
 from __future__ import annotations
@@ -113,8 +114,8 @@ def read_latest(root: Path) -> tuple[str | None, str | None]:
 
 
 def latest_step_dir(load_dir: str | os.PathLike) -> Path | None:
-    """The step folder `latest` names; when `latest` is missing or unusable (module docstring), the
-    newest complete step, the latter with one warning line."""
+    """The step folder `latest` names; when `latest` is missing, the newest complete step; when it is
+    unusable (module docstring), the newest complete and intact one, with one warning line."""
     root = Path(load_dir)
     steps = committed_steps(root)  # also warns about interrupted saves it skips
     folders = complete_steps(root)
@@ -124,10 +125,20 @@ def latest_step_dir(load_dir: str | os.PathLike) -> Path | None:
         if step in folders:
             return folders[step]
         problem = f"names {name}, which is {'incomplete' if (root / name).is_dir() else 'not there'}"
-    if problem is not None:
-        fallback = f"using the newest complete step, {step_name(steps[-1])}" if steps else "no complete step to use"
-        warn(f"`latest` in {root} {problem}: {fallback}")
-    return folders[steps[-1]] if steps else None
+    if problem is None:  # no `latest` at all: the newest complete step, as always
+        return folders[steps[-1]] if steps else None
+    # a guess replaces the pointer: skip steps whose files are not all there at their saved length
+    # (a stat each; flipped bytes are left to the read's crc32, which names the step before)
+    skipped = []
+    for step in reversed(steps):
+        damage = intact(folders[step])
+        if damage is None:
+            also = f" ({'; '.join(skipped)})" if skipped else ""
+            warn(f"`latest` in {root} {problem}: using the newest complete step, {step_name(step)}{also}")
+            return folders[step]
+        skipped.append(f"{step_name(step)} is not intact: {damage}")
+    warn(f"`latest` in {root} {problem}: no complete step to use" + (f" ({'; '.join(skipped)})" if skipped else ""))
+    return None
 
 
 def intact(step_dir: Path) -> str | None:
