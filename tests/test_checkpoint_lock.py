@@ -86,8 +86,11 @@ def test_other_hosts_the_same_job_and_the_heartbeat(tmp_path, monkeypatch):
     folder = tmp_path / "ck"
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     _write_lock(folder, host="node-b", pid=123, job="76")
-    with pytest.raises(FolderInUse, match="host node-b, pid 123, Slurm job 76"):
+    beat = (folder / LOCK).stat().st_mtime
+    free_at = time.strftime("%H:%M:%S UTC", time.gmtime(beat + lock_module.STALE_AFTER_S))
+    with pytest.raises(FolderInUse, match=re.escape(f"host node-b, pid 123, Slurm job 76, since ")) as err:
         SaveFolderLock(folder).acquire()  # fresh: its heartbeat is recent
+    assert f"(if that run is gone, its lock is free from {free_at}, 10 min after its last heartbeat); " in str(err.value)
     old = time.time() - lock_module.STALE_AFTER_S - 60
     os.utime(folder / LOCK, (old, old))
     assert re.search(r": no heartbeat for \d+ s", SaveFolderLock(folder).acquire())

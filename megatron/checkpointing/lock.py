@@ -114,12 +114,18 @@ def in_use(save_dir: str | os.PathLike) -> Optional[str]:
         return None
     if stale_reason(holder, mtime, me, time.time()) is not None:
         return None
-    return busy_message(save_dir, holder)
+    return busy_message(save_dir, holder, mtime, me)
 
 
-def busy_message(save_dir, holder: dict) -> str:
-    return (f"the save folder {save_dir} is in use by another run ({describe(holder)}); two runs saving into "
-            f"one folder mix their steps: wait for that run to end, or set `save` to another folder")
+def busy_message(save_dir, holder: dict, mtime: float | None = None, me: dict | None = None) -> str:
+    """The refusal; for a holder on another host, also when its lock frees itself should that run be
+    gone (its pid cannot be checked from here, so a lost node's lock waits out the heartbeat)."""
+    free = ""
+    if mtime is not None and me is not None and holder.get("host") != me["host"]:
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(mtime + STALE_AFTER_S))
+        free = f" (if that run is gone, its lock is free from {at}, {STALE_AFTER_S / 60:g} min after its last heartbeat)"
+    return (f"the save folder {save_dir} is in use by another run ({describe(holder)}){free}; two runs saving "
+            f"into one folder mix their steps: wait for that run to end, or set `save` to another folder")
 
 
 def _is_me(holder: dict, me: dict) -> bool:
@@ -153,7 +159,7 @@ class SaveFolderLock:
                 return notice  # this process took it already (a second Trainer in one process)
             reason = stale_reason(holder, mtime, self.me, time.time())
             if reason is None:
-                raise FolderInUse(busy_message(self.save_dir, holder))
+                raise FolderInUse(busy_message(self.save_dir, holder, mtime, self.me))
             if not self._remove_stale(holder):
                 continue
             who = describe(holder) if holder else "an unknown holder"
