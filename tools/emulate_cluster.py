@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""An emulated two-tier cluster on one machine: K "nodes" as network namespaces on a bridge, each
-node's link rate-limited, R ranks started inside each node's namespace.
+"""An emulated cluster on one machine: K "nodes" as network namespaces on a bridge, each node's link
+rate-limited, R ranks started inside each node's namespace; or, with --gpus-per-node G, three tiers:
+each GPU's ranks (a GCD pair) in a namespace of their own behind a link of --gpu-rate.
 
     # train.py on 2 nodes x 2 ranks over 1 Gbit/s links (deepy-style arguments after --)
     python tools/emulate_cluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
@@ -8,6 +9,9 @@ node's link rate-limited, R ranks started inside each node's namespace.
     # any command, once per rank ({rank} {local_rank} {node} {world_size} are replaced)
     python tools/emulate_cluster.py --nodes 2 --ranks-per-node 2 --rate 200mbit \\
         --command "python bench/x.py --out /tmp/x{rank}.json"
+    # three tiers, Frontier-shaped: 2 nodes x 2 GPUs x 2 ranks (pair on loopback, GPU links, node links)
+    python tools/emulate_cluster.py --nodes 2 --gpus-per-node 2 --ranks-per-node 4 --rate 640mbit \
+        --gpu-rate 640mbit -- train.py configs/tiny-cpu.yml configs/sim-2x2x2.yml configs/zero_topo.yml
     # remove what a killed run left behind (namespaces, links and bridges of the prefix)
     python tools/emulate_cluster.py --cleanup
 
@@ -19,7 +23,10 @@ environment (megatron.launch.launcher.local_rank_env: RANK, WORLD_SIZE, MASTER_A
 NEOX_TOPO_SIMULATED for a simulated layout, NEOX_TOPO_EXIT_WITH_PARENT=<this pid>, thread and
 malloc settings), with LOCAL_RANK = r % R and LOCAL_WORLD_SIZE = R instead of the single-host
 values, GLOO_SOCKET_IFNAME=<run>n<node> (gloo binds to the node's interface) and MASTER_ADDR =
-node 0's address. When a rank fails the others are stopped (SIGTERM, SIGKILL after --grace-s); the
+node 0's address. On three tiers rank r runs in GPU (r % R) // (R / G) of its node, with that GPU's
+interface as GLOO_SOCKET_IFNAME, node 0's GPU 0 as MASTER_ADDR, and NEOX_EMU_NODE_NETNS /
+NEOX_EMU_NODE_IF / NEOX_EMU_RANKS_PER_GPU so a benchmark can read its node's uplink counters (the uplink
+sits in the node's namespace, not the rank's). When a rank fails the others are stopped (SIGTERM, SIGKILL after --grace-s); the
 ranks are started and watched by megatron/launch/spawner.py, so the rank named is the first to fail.
 
 Training. After `--` come deepy.py's arguments: `[SCRIPT.py] CONFIG.yml ... [--set KEY=VALUE]
@@ -35,7 +42,9 @@ written earlier (by deepy.py, or by this tool) can be run directly with
 Interface counters. /sys/class/net/<if>/statistics/{tx,rx}_{bytes,packets} of every node's
 interface are read inside its namespace before the ranks start and after they end; the difference
 is what crossed node boundaries (Ethernet frames: payload + TCP/IP/Ethernet headers + ACKs +
-connection set-up). It is printed per node and, with --report PATH, written as JSON.
+connection set-up). It is printed per node and, with --report PATH, written as JSON. On three tiers
+the report adds the bytes per ledger tier (emulated_network.tier_bytes: uplinks, GPU links less the
+uplinks, loopbacks of the GPU namespaces).
 
 Exit codes: 0 all ranks succeeded; the first failed rank's code (128 + N for a signal N); 2 a
 usage or config error; 69 (EX_UNAVAILABLE) no emulation possible here: not root, or ip / tc
@@ -61,7 +70,7 @@ from typing import Optional, Sequence, TextIO
 
 from megatron.benchmarking.emulated_network import (COUNTERS, Cluster, EmulationError, UsageError, build, cleanup,
                                                     environment_problem, new_cluster, parse_rate, read_counters,
-                                                    teardown)
+                                                    read_tier_counters, teardown, tier_bytes)
 from megatron.launch.launcher import local_rank_env, script_command
 from megatron.launch.spawner import PIPE, RankCommand, RankProcesses, exit_code_of
 
@@ -89,21 +98,29 @@ class RankSpec:
     node: int
     command: list
     env: dict
+    namespace: str = ""              # where it runs: its node's, or on three tiers its GPU's
 
 
 def rank_specs(cluster: Cluster, per_node: int, command: Sequence[str], simulated: bool, master_port: int,
                base_env: Optional[dict] = None) -> list[RankSpec]:
     """Every rank's command and environment: the local launcher's, made multi-node."""
     world = cluster.nodes * per_node
+    if cluster.three_tier and per_node % cluster.gpus:
+        raise UsageError(f"--ranks-per-node {per_node} is not a multiple of --gpus-per-node {cluster.gpus}")
+    per_gpu = per_node // cluster.gpus if cluster.three_tier else per_node
     base = dict(os.environ if base_env is None else base_env)
     specs = []
     for rank in range(world):
         node, local = divmod(rank, per_node)
-        env = local_rank_env(base, rank, world, cluster.address(0), master_port, simulated, os.getpid())
-        env.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_node), GLOO_SOCKET_IFNAME=cluster.node_if(node))
+        namespace, interface, _ = cluster.rank_place(node, local // per_gpu)
+        env = local_rank_env(base, rank, world, cluster.master_address(), master_port, simulated, os.getpid())
+        env.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_node), GLOO_SOCKET_IFNAME=interface)
+        if cluster.three_tier:
+            env.update(NEOX_EMU_NODE_NETNS=cluster.namespace(node), NEOX_EMU_NODE_IF=cluster.node_if(node),
+                       NEOX_EMU_RANKS_PER_GPU=str(per_gpu))
         fields = {"{rank}": rank, "{local_rank}": local, "{node}": node, "{world_size}": world}
         argv = [_substitute(arg, fields) for arg in command]
-        specs.append(RankSpec(rank, node, argv, env))
+        specs.append(RankSpec(rank, node, argv, env, namespace))
     return specs
 
 
@@ -129,7 +146,7 @@ def run_ranks(cluster: Cluster, specs: Sequence[RankSpec], *, timeout_s: float =
     try:
         with RankProcesses(grace_s) as ranks:
             for spec in specs:
-                proc = ranks.start(RankCommand(["ip", "netns", "exec", cluster.namespace(spec.node), *spec.command],
+                proc = ranks.start(RankCommand(["ip", "netns", "exec", spec.namespace or cluster.namespace(spec.node), *spec.command],
                                                spec.env, output=PIPE))
                 prefix = f"[rank {spec.rank}] " if spec.rank else ""
                 for stream, target in ((proc.stdout, out), (proc.stderr, err)):
@@ -161,13 +178,16 @@ def layout_of(cfg) -> tuple[int, int]:
     return int(layout[0]), math.prod(int(x) for x in layout[1:])
 
 
-def check_layout(cfg, nodes: Optional[int], per_node: Optional[int]) -> tuple[int, int]:
+def check_layout(cfg, nodes: Optional[int], per_node: Optional[int], gpus: int = 0) -> tuple[int, int]:
     have = layout_of(cfg)
     want = (nodes or have[0], per_node or have[1])
     if want != have:
         raise UsageError(f"the config's layout {cfg.topology.layout} is {have[0]} node(s) x {have[1]} ranks, "
                          f"not --nodes {want[0]} x --ranks-per-node {want[1]}; set topology.simulate: "
                          f"[{want[0]}, {want[1]}]")
+    layout = cfg.topology.layout
+    if gpus and len(layout) == 3 and int(layout[1]) != gpus:
+        raise UsageError(f"the config's layout {layout} has {layout[1]} GPUs per node, not --gpus-per-node {gpus}")
     return have
 
 
@@ -246,6 +266,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the config's layout; else 1)")
     p.add_argument("--rate", default=DEFAULT_RATE,
                    help="each node's link rate per direction, tc syntax (1gbit, 200mbit), or unlimited (default 1gbit)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="three tiers: this many GPU namespaces per node, the node's ranks spread over them "
+                        "(each GPU's ranks share its loopback); 0 (default): two tiers")
+    p.add_argument("--gpu-rate", default="unlimited",
+                   help="three tiers: each GPU's link to its node's switch, per direction, tc syntax (default unlimited)")
     p.add_argument("--command", default=None,
                    help="run this command per rank instead of training (shell-split; {rank} {local_rank} {node} "
                         "{world_size} replaced)")
@@ -276,7 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         cfg, script, script_args = training_config(rest)
     if cfg is not None:
-        nodes, per_node = check_layout(cfg, args.nodes, args.ranks_per_node)
+        nodes, per_node = check_layout(cfg, args.nodes, args.ranks_per_node, args.gpus_per_node)
         simulated = cfg.topology.simulate is not None
     else:
         nodes, per_node, simulated = args.nodes or 2, args.ranks_per_node or 1, False
@@ -284,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = training_command(cfg, script, script_args)
     if per_node < 1:
         raise UsageError(f"--ranks-per-node {per_node}: at least 1")
-    cluster = new_cluster(args.prefix, nodes, args.rate)
+    cluster = new_cluster(args.prefix, nodes, args.rate, args.gpus_per_node, args.gpu_rate)
     specs = rank_specs(cluster, per_node, command, simulated, args.master_port)
     return emulate(cluster, specs, per_node, report=args.report, timeout_s=args.timeout_s, grace_s=args.grace_s)
 
@@ -296,13 +321,15 @@ def emulate(cluster: Cluster, specs: Sequence[RankSpec], per_node: int, *, repor
     code, before, after, elapsed = None, None, None, 0.0
     try:
         build(cluster)
-        print(f"emulate_cluster: {cluster.run_id}: {cluster.nodes} node(s) x {per_node} rank(s), "
-              f"{cluster.rate} per node link, master {cluster.address(0)}", file=err, flush=True)
-        before = read_counters(cluster)
+        gpus = f" on {cluster.gpus} GPU(s) behind {cluster.gpu_rate} links" if cluster.three_tier else ""
+        print(f"emulate_cluster: {cluster.run_id}: {cluster.nodes} node(s) x {per_node} rank(s){gpus}, "
+              f"{cluster.rate} per node link, master {cluster.master_address()}", file=err, flush=True)
+        read = read_tier_counters if cluster.three_tier else read_counters
+        before = read(cluster)
         start = time.monotonic()
         code = run_ranks(cluster, specs, timeout_s=timeout_s, grace_s=grace_s, err=err)
         elapsed = time.monotonic() - start
-        after = read_counters(cluster)
+        after = read(cluster)
     except EmulationError as error:
         print(f"emulate_cluster: {error}", file=err)
         code = UNAVAILABLE
@@ -334,19 +361,30 @@ def _raise_interrupted(signum, frame):
 
 
 def summarize(cluster: Cluster, per_node: int, before, after, elapsed: float, code: int) -> dict:
+    tiers = None
+    if cluster.three_tier:
+        tiers = tier_bytes(before, after)
+        before, after = before["inter_node"], after["inter_node"]
     nodes = [{"node": i, "namespace": cluster.namespace(i), "interface": cluster.node_if(i),
-              "address": cluster.address(i), **{c: after[i][c] - before[i][c] for c in COUNTERS}}
+              "address": cluster.rank_place(i)[2] if not cluster.three_tier else None,
+              **{c: after[i][c] - before[i][c] for c in COUNTERS}}
              for i in range(cluster.nodes)]
-    return {"run_id": cluster.run_id, "nodes": cluster.nodes, "ranks_per_node": per_node, "rate": cluster.rate,
-            "rate_bits_per_s": parse_rate(cluster.rate), "elapsed_s": round(elapsed, 3), "exit_code": code,
-            "per_node": nodes, "inter_node_tx_bytes": sum(n["tx_bytes"] for n in nodes)}
+    out = {"run_id": cluster.run_id, "nodes": cluster.nodes, "ranks_per_node": per_node, "rate": cluster.rate,
+           "rate_bits_per_s": parse_rate(cluster.rate), "elapsed_s": round(elapsed, 3), "exit_code": code,
+           "per_node": nodes, "inter_node_tx_bytes": sum(n["tx_bytes"] for n in nodes)}
+    if tiers is not None:
+        out.update(gpus_per_node=cluster.gpus, gpu_rate=cluster.gpu_rate, gpu_rate_bits_per_s=parse_rate(cluster.gpu_rate),
+                   tier_tx_bytes=tiers)
+    return out
 
 
 def describe(result: dict) -> list[str]:
-    lines = [f"node {n['node']} ({n['address']}): sent {n['tx_bytes']:,} B in {n['tx_packets']:,} frames, "
+    lines = [f"node {n['node']} ({n['address'] or n['interface']}): sent {n['tx_bytes']:,} B in {n['tx_packets']:,} frames, "
              f"received {n['rx_bytes']:,} B" for n in result["per_node"]]
     lines.append(f"inter-node bytes sent, all nodes: {result['inter_node_tx_bytes']:,} B "
                  f"in {result['elapsed_s']:.1f} s (exit {result['exit_code']})")
+    if "tier_tx_bytes" in result:
+        lines.append("bytes sent per tier: " + ", ".join(f"{t} {b:,} B" for t, b in result["tier_tx_bytes"].items()))
     return lines
 
 
