@@ -92,6 +92,35 @@ def test_rank_environment_is_the_local_launchers_made_multi_node():
     assert specs[3].command == ["python", "x.py", "--out", "r3-n1"]
 
 
+def test_three_tier_ranks_live_in_their_gpus_namespace():
+    """2 nodes x 2 GPUs x 2 ranks: a GPU's pair shares its namespace and interface; the master is node 0's
+    GPU 0; the node's uplink is named for reading its counters; every interface name fits IFNAMSIZ."""
+    cluster = emu.Cluster("nxemu12345678", 2, "640mbit", gpus=2, gpu_rate="640mbit")
+    specs = emu.rank_specs(cluster, 4, ["python", "x.py"], simulated=True, master_port=29500, base_env={})
+    got = [(s.namespace, s.env["GLOO_SOCKET_IFNAME"], s.env["NEOX_EMU_NODE_NETNS"], s.env["NEOX_EMU_NODE_IF"])
+           for s in specs]
+    run = "nxemu12345678"
+    assert got == [(f"{run}-node{n}gpu{g}", f"{run}g{2 * n + g}", f"{run}-node{n}", f"{run}n{n}")
+                   for n in (0, 1) for g in (0, 0, 1, 1)]
+    assert {s.env["MASTER_ADDR"] for s in specs} == {"198.18.0.1"} and specs[0].env["NEOX_EMU_RANKS_PER_GPU"] == "2"
+    assert [cluster.rank_place(n, g)[2] for n in (0, 1) for g in (0, 1)] == [f"198.18.0.{k}" for k in (1, 2, 3, 4)]
+    names = [cluster.gpu_if(1, 1), cluster.gpu_port(1, 1), cluster.node_bridge(1), cluster.node_if(1)]
+    assert max(map(len, names)) <= 15
+    with pytest.raises(emu.UsageError):  # ranks that do not divide over the GPUs
+        emu.rank_specs(cluster, 3, ["x"], simulated=False, master_port=1, base_env={})
+    with pytest.raises(emu.UsageError):  # names would pass 15 characters
+        emu.new_cluster("nxemulat", 20, "1gbit", gpus=8)
+
+
+def test_tier_bytes_subtracts_the_uplinks_from_the_gpu_links():
+    zero = {"tx_bytes": 0, "rx_bytes": 0, "tx_packets": 0, "rx_packets": 0}
+    before = {"inter_node": [zero] * 2, "gpu_link": [zero] * 4, "intra_gpu": [zero] * 4}
+    after = {"inter_node": [{**zero, "tx_bytes": b} for b in (10, 20)],
+             "gpu_link": [{**zero, "tx_bytes": b} for b in (100, 5, 50, 0)],
+             "intra_gpu": [{**zero, "tx_bytes": b} for b in (1000, 1, 2, 3)]}
+    assert emu.tier_bytes(before, after) == {"intra_gpu": 1006, "intra_node": 125, "inter_node": 30}
+
+
 def test_without_iproute2_one_line_and_exit_69():
     done = subprocess.run([sys.executable, str(TOOL), "--command", "true"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PATH": "/nonexistent"})
@@ -168,6 +197,32 @@ def test_link_rate_is_the_configured_rate_not_loopback(network, tmp_path):
     print(f"200mbit link between nodes: {between / 1e6:.0f} Mbit/s of payload; in-node loopback: {within / 1e6:.0f} Mbit/s")
     assert 0.25 * rate < between < 2 * rate
     assert within > 2 * rate
+
+
+def test_three_tier_rates_and_counters(network, tmp_path):
+    """2 nodes x 2 GPUs x 2 ranks, GPU links 400mbit, node links 200mbit. tc holds a tbf of each rate on
+    both ends of each link; gloo's send to the pair partner beats 2x the GPU rate (loopback), to the
+    node's other GPU runs at the GPU rate, to the other node at the node rate (loose bounds: 0.25x-2x,
+    not a timing claim); each tier's counters hold what was sent on it, within the two-tier band."""
+    out, report = tmp_path / "tiers.json", tmp_path / "report.json"
+    show = ("tc qdisc show dev $GLOO_SOCKET_IFNAME; ip netns exec $NEOX_EMU_NODE_NETNS tc qdisc show dev "
+            "$NEOX_EMU_NODE_IF; ")
+    done = _tool("--prefix", _prefix(), "--nodes", "2", "--gpus-per-node", "2", "--ranks-per-node", "4",
+                 "--rate", "200mbit", "--gpu-rate", "400mbit", "--report", str(report), "--timeout-s", "150",
+                 "--command", f"sh -c '{show}exec {sys.executable} bench/tier_rate.py --mb 4 --pair-mb 40 --out {out}'",
+                 timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    qdiscs = [line for line in done.stdout.splitlines() if line.startswith("qdisc tbf")]
+    assert len(qdiscs) == 2 and "rate 400Mbit" in qdiscs[0] and "rate 200Mbit" in qdiscs[1], done.stdout
+    rates = {tier: r["payload_bits_per_s"] for tier, r in json.loads(out.read_text()).items()}
+    tiers = json.loads(report.read_text())["tier_tx_bytes"]
+    print(f"payload Mbit/s: {({t: round(r / 1e6) for t, r in rates.items()})}; bytes per tier: {tiers}")
+    assert rates["intra_gpu"] > 2 * 400e6
+    assert 0.25 * 400e6 < rates["intra_node"] < 2 * 400e6
+    assert 0.25 * 200e6 < rates["inter_node"] < 2 * 200e6
+    for tier, sent in (("intra_gpu", 40e6), ("intra_node", 4e6), ("inter_node", 4e6)):
+        assert sent <= tiers[tier] <= sent * OVERHEAD + SETUP_ALLOWANCE, tier
+    assert not _left(json.loads(report.read_text())["run_id"])
 
 
 # --- the ledger against the interface counters ------------------------------------------------------
