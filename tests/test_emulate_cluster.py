@@ -28,6 +28,9 @@ _spec.loader.exec_module(emu)
 # What a run sends that its ledger never sees: the process-group rendezvous and gloo's connections
 # for every group, measured 21.7-22.1 kB on 2 x 2 (bench/wire_bytes.py --setup-only); 3x that.
 SETUP_ALLOWANCE = 64_000
+# The same on 2 x 2 x 2, three tiers (bench/wire_bytes.py --setup-only --factors 2 4 8 under
+# --gpus-per-node 2): 82 kB inter-node, 46 kB in-node, 42 kB on the pairs' loopbacks; about 3x that.
+SETUP_ALLOWANCE_8 = 256_000
 # Frame headers, ACKs and gloo's per-message framing: measured 3-4.5% on the tiny model; 10% allowed.
 OVERHEAD = 1.10
 
@@ -221,7 +224,7 @@ def test_three_tier_rates_and_counters(network, tmp_path):
     assert 0.25 * 400e6 < rates["intra_node"] < 2 * 400e6
     assert 0.25 * 200e6 < rates["inter_node"] < 2 * 200e6
     for tier, sent in (("intra_gpu", 40e6), ("intra_node", 4e6), ("inter_node", 4e6)):
-        assert sent <= tiers[tier] <= sent * OVERHEAD + SETUP_ALLOWANCE, tier
+        assert sent <= tiers[tier] <= sent * OVERHEAD + SETUP_ALLOWANCE_8, tier
     assert not _left(json.loads(report.read_text())["run_id"])
 
 
@@ -252,3 +255,31 @@ def test_ledger_inter_node_bytes_match_the_interfaces(network, tmp_path, tiny_co
     print(f"{preset}: ledger inter_node {ledger:,} B + unlogged last eval/save {tail:,} B = {expected:,} B; "
           f"interfaces counted {counted:,} B ({counted / expected:.4f}x, +{counted - expected:,} B)")
     assert expected <= counted <= expected * OVERHEAD + SETUP_ALLOWANCE
+
+
+@pytest.mark.parametrize("preset", ["zero_topo", "zero3"])
+def test_three_tier_ledger_bytes_match_the_interfaces_per_tier(network, tmp_path, tiny_corpus, preset):
+    """The two-tier test's run on 2 nodes x 2 GPUs x 2 ranks (configs/sim-2x2x2.yml), GPU links and node
+    links at 1gbit: for every tier, Σ comm/bytes/<tier> + the unlogged last evaluation and save (step 3's
+    line less step 4's) <= the tier's counted bytes <= 1.10 x that + 256 kB (set-up of 8 ranks)."""
+    cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=4, train_micro_batch_size_per_gpu=1, log_interval=1,
+                          eval_interval=2, eval_iters=1, save=str(tmp_path / "ckpt"), checkpoint_factor=2)
+    report = tmp_path / "report.json"
+    done = _tool("--prefix", _prefix(), "--gpus-per-node", "2", "--rate", "1gbit", "--gpu-rate", "1gbit",
+                 "--report", str(report), "--timeout-s", "300",
+                 "--", "train.py", str(cfg), "configs/sim-2x2x2.yml", f"configs/{preset}.yml", timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())
+             if "comm/bytes/inter_node" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4]
+    counted = json.loads(report.read_text())["tier_tx_bytes"]
+    lines = []
+    for tier in ("intra_gpu", "intra_node", "inter_node"):
+        key = f"comm/bytes/{tier}"
+        ledger = sum(r.get(key, 0) for r in steps)
+        expected = ledger + steps[2].get(key, 0) - steps[3].get(key, 0)
+        lines.append((tier, expected, counted[tier]))
+    print(f"{preset}: " + "; ".join(f"{t}: ledger {e:,} B, interfaces {c:,} B ({c / max(e, 1):.4f}x)"
+                                     for t, e, c in lines))
+    for tier, expected, got in lines:
+        assert expected <= got <= expected * OVERHEAD + SETUP_ALLOWANCE_8, tier
