@@ -70,8 +70,9 @@ def test_refused_keys_at_neutral_values_are_fine(tmp_path, text):
 @pytest.mark.parametrize("text,match", [
     ("model_parallel_size: 2\n", "tensor parallelism is not supported; ZeRO-topo shards instead — set model_parallel_size: 1"),
     ("pipe_parallel_size: 2\n", "pipeline parallelism is not supported"),
-    ("num_kv_heads: 2\n", "grouped-query attention"),
     ("attention_config: [[[local], 2]]\n", "only dense causal attention"),
+    ("attention_config: [[[mamba], 2]]\n", "Mamba, RWKV, sparse and local layer types are other model families"),
+    ("moe_num_experts: 8\n", "mixture of experts is not supported"),
     ("zero_optimization: {offload_optimizer: {device: cpu}}\n", "offload is not supported"),
     ("train_epochs: 3\n", "set train_iters instead"),
     ("warmup_iters: 10\n", "derived by validation"),

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from megatron.config.schema import ModelConfig
-from megatron.model.gpt_neox import intermediate_size_of, max_positions_of
+from megatron.config.model_shape import kv_heads, max_positions, mlp_widths
 
 # Parameters of one transformer block, by their (shared) names below `layers.{i}.`.
 BLOCK_PARAMETER_NAMES = (
@@ -48,8 +48,23 @@ class HFConversionError(ValueError):
     """A checkpoint or config that cannot be mapped between our model and Hugging Face's."""
 
 
+def require_gpt_neox_shape(model_cfg: ModelConfig) -> None:
+    """GPTNeoXForCausalLM holds only NeoX-20B-shaped blocks; a Llama-family shape needs the Llama
+    bridge (megatron/checkpointing/hf_llama.py maps the weights; its export is not built yet)."""
+    llama = [key for key, differs in (
+        ("norm: rmsnorm", model_cfg.norm != "layernorm"), ("activation: swiglu", model_cfg.activation != "gelu"),
+        ("num_kv_heads", kv_heads(model_cfg) != model_cfg.num_attention_heads),
+        ("use_bias_in_attn_linear: false", not model_cfg.use_bias_in_attn_linear),
+        ("use_bias_in_mlp: false", not model_cfg.use_bias_in_mlp),
+        ("sliding_window_width", model_cfg.sliding_window_width is not None)) if differs]
+    if llama:
+        raise HFConversionError(f"a model with {', '.join(llama)} is not a GPTNeoXForCausalLM; the Hugging Face "
+                                "export/import of Llama/Mistral shapes is not built yet (issue 40)")
+
+
 def name_pairs(model_cfg: ModelConfig) -> list[tuple[str, str]]:
     """Every (our name, HF name) pair of a model with this config, the output layer included."""
+    require_gpt_neox_shape(model_cfg)
     pairs = [EDGE_NAMES[0]]
     for i in range(model_cfg.num_layers):
         pairs += [(f"layers.{i}.{n}", f"gpt_neox.layers.{i}.{n}") for n in BLOCK_PARAMETER_NAMES]
@@ -115,6 +130,7 @@ def hf_config_dict(model_cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     Rotary settings are written both as ``rope_parameters`` (transformers 5) and as the legacy
     ``rotary_pct`` / ``rotary_emb_base`` keys, so transformers 4.x reads the same model.
     """
+    require_gpt_neox_shape(model_cfg)
     base = _rotary_base_for_json(model_cfg.rotary_emb_base)
     return {
         "architectures": ["GPTNeoXForCausalLM"],
@@ -123,9 +139,9 @@ def hf_config_dict(model_cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
         "hidden_size": model_cfg.hidden_size,
         "num_hidden_layers": model_cfg.num_layers,
         "num_attention_heads": model_cfg.num_attention_heads,
-        "intermediate_size": intermediate_size_of(model_cfg),
+        "intermediate_size": mlp_widths(model_cfg).inner,
         "hidden_act": "gelu",
-        "max_position_embeddings": max_positions_of(model_cfg),
+        "max_position_embeddings": max_positions(model_cfg),
         "layer_norm_eps": model_cfg.layernorm_epsilon,
         "use_parallel_residual": model_cfg.gpt_j_residual,
         "tie_word_embeddings": not model_cfg.no_weight_tying,

@@ -94,8 +94,8 @@ _NOOP: dict[str, tuple[str, ...]] = {
         "mamba_selective_scan_fusion", "mamba_causal_conv_fusion", "mamba_inner_func_fusion"),
     "numerics are fixed here (softmax, loss and query-key scaling in fp32 by SDPA/torch)": (
         "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "fp16_lm_cross_entropy"),
-    "apply only to architectures we do not build (RMSNorm/ScaleNorm, RPE, learned, gMLP, Mamba, RWKV)": (
-        "rms_norm_epsilon", "scalenorm_epsilon", "rpe_num_buckets", "rpe_max_distance", "opt_pos_emb_offset",
+    "apply only to architectures we do not build (ScaleNorm, RPE, learned, gMLP, Mamba, RWKV)": (
+        "scalenorm_epsilon", "rpe_num_buckets", "rpe_max_distance", "opt_pos_emb_offset",
         "gmlp_attn_dim", "mamba_selective_fp32_params", "mamba_use_bias_in_conv", "mamba_use_bias_in_linears",
         "dim_att", "head_size", "ffn_dim", "sparsity_config", "sparse_attention", "param_sharing_style",
         "rotary_save_freqs_buffer"),
@@ -162,6 +162,8 @@ _NOOP: dict[str, tuple[str, ...]] = {
         "no_save_optim", "no_save_rng", "no_load_rng", "extra_save_iters", "checkpoint_validation_with_forward_pass",
         "s3_chunk_size"),
     "the LR schedule always comes from the config (checkpoints store only the iteration)": ("override_lr_scheduler",),
+    "GPT-NeoX reads it nowhere either: its RMSNorm has no bias and its LayerNorm always has one (so here)": (
+        "use_bias_in_norms",),
     "HFTokenizer reads its merges from tokenizer.json": ("merge_file",),
     "both Adam and AdamW use decoupled weight decay here": ("optimizer.params.adam_w_mode", "optimizer.params.torch_adam"),
 }
@@ -178,18 +180,12 @@ _REFUSED: tuple[tuple[str, Neutral, str, str], ...] = (
     ("moe_num_experts", _one_of(1), "1", "mixture of experts is not supported; set moe_num_experts: 1"),
     ("moe_expert_parallel_size", _one_of(1), "1", "expert parallelism is not supported; set moe_expert_parallel_size: 1"),
     ("enable_expert_tensor_parallelism", _false, "false", "expert tensor parallelism is not supported; remove it"),
-    ("num_kv_heads", _equals_key("num_attention_heads", 4), "unset or num_attention_heads",
-     "grouped-query attention is not supported (GPT-NeoX uses multi-head attention); remove num_kv_heads"),
     ("attention_config", _dense_attention, "global/flash layers only",
-     "only dense causal attention is supported; use [[['global'], num_layers]] or remove attention_config"),
-    ("sliding_window_width", _unset, "unset", "sliding-window attention is not supported; remove it"),
+     "only dense causal attention (global or flash layers, sliding_window_width for Mistral) is built here; "
+     "Mamba, RWKV, sparse and local layer types are other model families — use [[['global'], num_layers]] or remove attention_config"),
     ("use_qk_layernorm", _false, "false", "QK LayerNorm is not part of GPT-NeoX; remove it"),
     ("gpt_j_tied", _false, "false",
      "a tied LayerNorm in the parallel residual is not supported (NeoX-20B and Pythia use two); remove gpt_j_tied"),
-    ("use_bias_in_norms", _true, "true", "GPT-NeoX has biases everywhere; remove use_bias_in_norms"),
-    ("use_bias_in_attn_linear", _true, "true", "GPT-NeoX has biases everywhere; remove use_bias_in_attn_linear"),
-    ("use_bias_in_mlp", _true, "true", "GPT-NeoX has biases everywhere; remove use_bias_in_mlp"),
-    ("mlp_multiple_of", _one_of(1), "1", "set intermediate_size directly instead"),
     ("expansion_factor", _unset, "unset", "set intermediate_size directly instead (default 4 x hidden_size)"),
     ("num_unique_layers", _equals_key("num_layers", 2), "unset or num_layers", "parameter sharing across layers is not supported"),
     ("soft_prompt_tuning", _disabled, "unset or enabled: false", "soft prompt tuning is not supported"),

@@ -25,20 +25,28 @@ def doc(default, help: str, **meta):
 
 @dataclass
 class ModelConfig:
-    """The GPT-NeoX architecture (same semantics as Hugging Face GPTNeoXForCausalLM)."""
+    """The GPT-NeoX architecture (same semantics as Hugging Face GPTNeoXForCausalLM) and GPT-NeoX's
+    Llama-family keys (RMSNorm, SwiGLU, grouped-query and sliding-window attention, bias flags).
+    Sizes derived from these fields and the rules they must meet: megatron/config/model_shape.py."""
     num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
     hidden_size: int = doc(128, "Model width.", ge=1)
     num_attention_heads: int = doc(4, "Attention heads; must divide hidden_size.", ge=1)
     seq_length: int = doc(128, "Training sequence length in tokens.", ge=1)
     max_position_embeddings: Optional[int] = doc(None, "Longest position the rotary cache covers; defaults to seq_length.", ge=1)
-    intermediate_size: Optional[int] = doc(None, "MLP inner width; defaults to 4 x hidden_size.", ge=1)
+    intermediate_size: Optional[int] = doc(None, "GPT-NeoX's MLP size key; defaults to 4 x hidden_size. With activation gelu it is the inner width; with swiglu it is NOT: as GPT-NeoX, f = floor(2 x intermediate_size / 3), the fused up+gate projection has 2m x ceil(f / 2m) rows and the inner width is m x ceil(floor(f / 2) / m), m = mlp_multiple_of (Llama-7B: 32768 or 33024 -> 11008; for an inner width W give 3 x W). The two must agree (half the rows = the inner width), checked at load.", ge=1)
+    mlp_multiple_of: int = doc(1, "Round the MLP widths up to a multiple of this (GPT-NeoX's rule, see intermediate_size).", ge=1)
+    num_kv_heads: Optional[int] = doc(None, "Key/value heads: unset (= num_attention_heads) is multi-head attention; fewer is grouped-query attention (1: multi-query), each K/V head shared by num_attention_heads / num_kv_heads query heads. Must divide num_attention_heads. The fused QKV projection is then laid out [all Q | all K | all V] (GPT-NeoX's GQA layout); with multi-head attention per head [q | k | v] (HF GPTNeoX's).", ge=1)
+    sliding_window_width: Optional[int] = doc(None, "Sliding-window attention (Mistral): each query sees itself and the sliding_window_width previous positions (GPT-NeoX's flash-attn window (w, 0)); in training, evaluation and generation with the KV cache. Unset: full causal attention.", ge=1)
     pos_emb: str = doc("rotary", "Position embedding; only 'rotary' is supported.", choices=("rotary",))
     rotary_pct: float = doc(1.0, "Fraction of each head dimension that rotary embedding rotates (0 < pct <= 1).", gt=0.0, le=1.0)
-    rotary_emb_base: int = doc(10000, "Rotary frequency base.", ge=1)
-    gpt_j_residual: bool = doc(False, "Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)) (two LayerNorms), as NeoX-20B.")
-    norm: str = doc("layernorm", "Normalisation; only 'layernorm' is supported.", choices=("layernorm",))
-    layernorm_epsilon: float = doc(1.0e-5, "LayerNorm epsilon.", gt=0.0)
-    activation: str = doc("gelu", "MLP activation: 'gelu' (exact erf form, as HF's GPTNeoX).", choices=("gelu",))
+    rotary_emb_base: int = doc(10000, "Rotary frequency base (CodeLlama: 1000000).", ge=1)
+    gpt_j_residual: bool = doc(False, "Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)) (two norms), as NeoX-20B; false: sequential, x = x + attn(ln1(x)); x = x + mlp(ln2(x)) (Llama).")
+    norm: str = doc("layernorm", "Normalisation of the two block norms and the final one: 'layernorm' (with bias) or 'rmsnorm' (no bias: scale x x / sqrt(mean(x^2) + eps), computed in fp32).", choices=("layernorm", "rmsnorm"))
+    layernorm_epsilon: float = doc(1.0e-5, "LayerNorm epsilon (norm: layernorm).", gt=0.0)
+    rms_norm_epsilon: float = doc(1.0e-8, "RMSNorm epsilon (norm: rmsnorm; GPT-NeoX's default 1e-8, Llama 1e-6, Llama-2/Mistral 1e-5).", gt=0.0)
+    activation: str = doc("gelu", "MLP activation: 'gelu' (exact erf form, as HF's GPTNeoX) or 'swiglu' (gated: silu(gate) x up, the fused projection's rows [up | gate] as GPT-NeoX's linear1).", choices=("gelu", "swiglu"))
+    use_bias_in_attn_linear: bool = doc(True, "Biases on the QKV and attention output projections (Llama: false).")
+    use_bias_in_mlp: bool = doc(True, "Biases on the two MLP projections (llama/7B.yml: false; GPT-NeoX's llama2, codellama and mistral configs keep them).")
     no_weight_tying: bool = doc(False, "Untie the output layer from the input embedding (NeoX default: tied).")
     init_method: str = doc("small_init", "Init of input-side weights (NeoX's methods).", choices=INIT_METHODS)
     output_layer_init_method: str = doc("wang_init", "Init of output-side weights (attention dense, MLP out).", choices=INIT_METHODS)

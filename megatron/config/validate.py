@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Optional
 
 from megatron.config.errors import ConfigError, config_error
 from megatron.config.routing import GROUPS, Routed, yaml_key_of
+from megatron.config.model_shape import shape_problem
 from megatron.config.schema import NeoXConfig
 from megatron.topology.allocation import (NODE_VARS, SlurmAllocation, allocation_from_env, layout_mismatch,
                                           run_uses_gpus, visible_gpu_count)
@@ -72,25 +73,14 @@ def build_config(routed: Routed, env: Mapping[str, str]) -> NeoXConfig:
 
 def _model(cfg: NeoXConfig, ctx: _Context, env) -> None:
     m = cfg.model
-    if m.hidden_size % m.num_attention_heads:
-        raise ctx.error("model.num_attention_heads", f"{m.num_attention_heads} heads do not divide hidden_size {m.hidden_size}",
-                        "pick a head count that divides hidden_size")
-    head_dim = m.hidden_size // m.num_attention_heads
-    rotary = int(head_dim * m.rotary_pct)
-    if rotary < 2 or rotary % 2:
-        raise ctx.error("model.rotary_pct", f"{m.rotary_pct} of the head size {head_dim} rotates {rotary} dims; it must be an even number >= 2",
-                        "pick a rotary_pct that gives an even count")
+    problem = shape_problem(m)  # the shape's rules, written once (the model checks the same function)
+    if problem is not None:
+        raise ctx.error(f"model.{problem.field}", problem.problem, problem.fix)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    elif m.max_position_embeddings < m.seq_length:
-        raise ctx.error("model.max_position_embeddings", f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
-                        "raise it or leave it unset (it defaults to seq_length)")
     if m.intermediate_size is None:
         m.intermediate_size = 4 * m.hidden_size
     if m.recompute_granularity == "selective":
-        if not m.checkpoint_activations:
-            raise ctx.error("model.recompute_granularity", "'selective' says what a checkpointed block recomputes, "
-                            "and checkpoint_activations is off", "set checkpoint_activations: true")
         if cfg.training.compile:
             # Selective checkpointing runs the block under a dispatch mode, and torch.compile does
             # not trace under one: the blocks would run eager without a word.

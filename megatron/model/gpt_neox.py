@@ -1,11 +1,14 @@
-"""The GPT-NeoX model, with exactly the semantics of Hugging Face ``GPTNeoXForCausalLM``.
+"""The GPT-NeoX model, with exactly the semantics of Hugging Face ``GPTNeoXForCausalLM``, and GPT-NeoX's
+Llama-family options (RMSNorm, SwiGLU, grouped-/multi-query and sliding-window attention, bias-free
+layers), which make it Hugging Face's ``LlamaForCausalLM`` / ``MistralForCausalLM`` up to a renaming
+and a split of the fused projections (``megatron/checkpointing/hf_llama.py``).
 
 Shape of the model, as the sharding engine sees it: three kinds of *unit*, run in this order by
 ``forward`` and each called exactly once per forward (so hooks placed on units fire once):
 
     embed   Embedding      token embedding (+ hidden dropout)
-    layers  [Block] * L    pre-LayerNorm transformer blocks, rotary attention through SDPA
-    final   OutputHead     final LayerNorm + output projection (optionally tied to the embedding)
+    layers  [Block] * L    pre-norm transformer blocks, rotary attention through SDPA
+    final   OutputHead     final norm + output projection (optionally tied to the embedding)
 
 Units hold parameters only. The rotary cos/sin tables are non-persistent buffers of the top-level
 model, sliced to the sequence length and passed to every block, so a unit never owns a buffer the
@@ -13,7 +16,10 @@ engine would have to shard or move.
 
 Parameter names inside units are Hugging Face's (``attention.query_key_value``, ``mlp.dense_h_to_4h``,
 ...), and the fused QKV projection uses HF's layout (per head ``[q | k | v]``), so converting to or
-from HF is a renaming of prefixes, never a permutation (see ``megatron/checkpointing/hf.py``).
+from HF is a renaming of prefixes, never a permutation (see ``megatron/checkpointing/hf.py``). With
+grouped-query attention the fused projection is GPT-NeoX's ``[all Q | all K | all V]``; with SwiGLU
+``mlp.dense_h_to_4h`` holds GPT-NeoX's linear1 rows ``[up | gate]``. Sizes and the rules a shape
+must meet come from ``megatron/config/model_shape.py``, the one place they are written.
 No distributed code lives here.
 """
 from __future__ import annotations
@@ -28,16 +34,16 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
-from megatron.config.errors import ConfigError
-from megatron.config.schema import ModelConfig
+from megatron.config.errors import ConfigError, config_error
+from megatron.config.model_shape import (gated, head_dim, kv_heads, max_positions, mlp_widths, qkv_rows,
+                                         rotary_dims, shape_problem)
+from megatron.config.schema import INIT_METHODS, ModelConfig
 from megatron.model.fused_cross_entropy import linear_cross_entropy
 from megatron.model.kv_cache import KVCache, LayerCache
 
 # Names (suffixes) of the weights initialised with ``output_layer_init_method``: the projections that
 # write back into the residual stream. Every other matrix uses ``init_method``.
 OUTPUT_SIDE_WEIGHTS = ("attention.dense.weight", "mlp.dense_4h_to_h.weight")
-
-INIT_METHODS = ("normal", "scaled_normal", "small_init", "wang_init", "xavier_normal", "xavier_uniform")
 
 
 class ModelConfigError(ConfigError, ValueError):
@@ -47,58 +53,15 @@ class ModelConfigError(ConfigError, ValueError):
     """
 
 
-# ---------------------------------------------------------------------------------------------------
-# Derived sizes (the dataclass leaves some of them None)
-# ---------------------------------------------------------------------------------------------------
-
-def intermediate_size_of(cfg: ModelConfig) -> int:
-    """MLP inner width: ``intermediate_size``, or 4 x hidden when unset."""
-    return cfg.intermediate_size if cfg.intermediate_size is not None else 4 * cfg.hidden_size
-
-
-def max_positions_of(cfg: ModelConfig) -> int:
-    """Length of the rotary table: ``max_position_embeddings``, or ``seq_length`` when unset."""
-    return cfg.max_position_embeddings if cfg.max_position_embeddings is not None else cfg.seq_length
-
-
-def rotary_dims_of(cfg: ModelConfig) -> int:
-    """How many leading dimensions of each head are rotated (HF/NeoX: ``int(head_dim * rotary_pct)``)."""
-    return int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_pct)
-
-
 def validate_model_config(cfg: ModelConfig, vocab_size: int | None) -> None:
-    """Refuse, with one clear line, any configuration this model does not implement."""
-    def fail(msg: str) -> None:
-        raise ModelConfigError(f"model config: {msg}")
-
+    """Refuse, with one clear line, any configuration this model cannot build (the rules themselves
+    are ``model_shape.shape_problem``'s, shared with the config's validation)."""
     if vocab_size is None or vocab_size <= 0:
-        fail("vocabulary size unknown: set padded_vocab_size (derived from the tokenizer) or pass vocab_size")
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(cfg, key) <= 0:
-            fail(f"{key} must be positive, got {getattr(cfg, key)}")
-    if cfg.hidden_size % cfg.num_attention_heads:
-        fail(f"num_attention_heads ({cfg.num_attention_heads}) must divide hidden_size ({cfg.hidden_size})")
-    if cfg.pos_emb != "rotary":
-        fail(f"pos_emb '{cfg.pos_emb}' is not supported; use 'rotary'")
-    if cfg.norm != "layernorm":
-        fail(f"norm '{cfg.norm}' is not supported; use 'layernorm'")
-    if cfg.activation != "gelu":
-        fail(f"activation '{cfg.activation}' is not supported; use 'gelu'")
-    if not 0.0 < cfg.rotary_pct <= 1.0:
-        fail(f"rotary_pct must be in (0, 1], got {cfg.rotary_pct}")
-    rot = rotary_dims_of(cfg)
-    if rot < 2 or rot % 2:
-        fail(f"rotary_pct {cfg.rotary_pct} rotates {rot} dims per head; it must be an even number >= 2")
-    if cfg.recompute_granularity == "selective" and not cfg.checkpoint_activations:
-        fail("recompute_granularity 'selective' says what a checkpointed block recomputes; "
-             "it needs checkpoint_activations: true")
-    if cfg.checkpoint_num_layers != 1:
-        fail(f"checkpoint_num_layers {cfg.checkpoint_num_layers} is not supported; use 1")
-    if max_positions_of(cfg) < cfg.seq_length:
-        fail(f"max_position_embeddings ({cfg.max_position_embeddings}) is shorter than seq_length ({cfg.seq_length})")
-    for key in ("init_method", "output_layer_init_method"):
-        if getattr(cfg, key) not in INIT_METHODS:
-            fail(f"{key} '{getattr(cfg, key)}' is unknown; choose one of {', '.join(INIT_METHODS)}")
+        raise ModelConfigError("model config: vocabulary size unknown: set padded_vocab_size "
+                               "(derived from the tokenizer) or pass vocab_size")
+    problem = shape_problem(cfg)
+    if problem is not None:
+        raise ModelConfigError(f"model config: {config_error(problem.field, problem.problem, fix=problem.fix)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,68 +107,114 @@ class Embedding(nn.Module):
         return self.dropout(self.embed_in(tokens))
 
 
-class SelfAttention(nn.Module):
-    """Causal multi-head attention with a fused QKV projection laid out per head as [q | k | v]."""
+class RMSNorm(nn.Module):
+    """GPT-NeoX's RMSNorm: weight * x / sqrt(mean(x^2) + eps), in fp32 and cast back; no bias."""
 
-    def __init__(self, hidden_size: int, num_heads: int, attention_dropout: float):
+    def __init__(self, size: int, eps: float):
         super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = hidden_size // num_heads
-        self.attention_dropout = attention_dropout
-        self.query_key_value = nn.Linear(hidden_size, 3 * hidden_size)
-        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size))  # ones, drawn by init_parameters (no RNG)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The block's and the head's norm: LayerNorm (with bias) or RMSNorm, each with its own epsilon."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+
+class SelfAttention(nn.Module):
+    """Causal attention with a fused QKV projection. Multi-head: laid out per head as [q | k | v]
+    (HF GPTNeoX). Grouped-/multi-query (num_kv_heads < heads): [all Q | all K | all V] (GPT-NeoX),
+    each K/V head serving heads / num_kv_heads consecutive query heads. Optionally a sliding window."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
+        self.window = cfg.sliding_window_width
+        self.attention_dropout = cfg.attention_dropout
+        bias = cfg.use_bias_in_attn_linear
+        self.query_key_value = nn.Linear(cfg.hidden_size, qkv_rows(cfg), bias=bias)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, rows] -> q [B, heads, T, d], k and v [B, kv_heads, T, d]."""
+        batch, seq, _ = qkv.shape
+        if self.num_kv_heads == self.num_heads:
+            return qkv.view(batch, seq, self.num_heads, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split((self.num_heads * self.head_dim, kv_width, kv_width), dim=-1)
+        return tuple(t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv: LayerCache | None = None) -> torch.Tensor:
         batch, seq, hidden = x.shape
-        # [B, T, 3H] -> [B, heads, T, 3 * head_dim]; each head's slice is its own q, k, v in turn.
-        qkv = self.query_key_value(x).view(batch, seq, self.num_heads, 3 * self.head_dim).transpose(1, 2)
-        q, k, v = qkv.chunk(3, dim=-1)
+        q, k, v = self._split(self.query_key_value(x))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        dropout = self.attention_dropout if self.training else 0.0
-        if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        else:
+        past = 0
+        if kv is not None:
             past = kv.owner.length
             k, v = kv.extend(k, v)  # the cached positions, then these
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_after_cached_mask(past, seq, q.device),
-                                               dropout_p=dropout)
+        mask = visible_keys(past, seq, self.window, q.device)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0 and seq > 1,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # SDPA shares each K/V head, no copies
         return self.dense(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 
-def _after_cached_mask(past: int, new: int, device: torch.device) -> torch.Tensor | None:
-    """Causal mask of `new` queries that follow `past` cached positions: query i sees keys up to
-    past + i. None for one query (it sees every key). SDPA's own is_causal aligns the diagonal to the
-    top-left corner, which is right only when nothing is cached."""
-    if new == 1:
+def visible_keys(past: int, new: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which keys each of `new` queries that follow `past` cached positions sees: query i (position
+    past + i) sees positions past + i - window .. past + i (all earlier ones without a window; GPT-NeoX's
+    flash-attn window (w, 0)). None where SDPA's is_causal says it (nothing cached, no window: SDPA
+    aligns its diagonal to the top-left corner) or where every key is visible (one query, no window cut)."""
+    if past == 0 and window is None:
         return None
-    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)
+    if new == 1 and (window is None or past <= window):
+        return None
+    query = torch.arange(past, past + new, device=device)[:, None]
+    key = torch.arange(past + new, device=device)[None, :]
+    visible = key <= query
+    if window is not None:
+        visible &= key >= query - window
+    return visible
 
 
 class MLP(nn.Module):
-    """Two-layer feed-forward with exact (erf) GELU."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(hidden_size, intermediate_size)
-        self.dense_4h_to_h = nn.Linear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
-
-
-class Block(nn.Module):
-    """One transformer block: parallel residual (gpt_j_residual, two LayerNorms) or sequential."""
+    """Feed-forward: exact (erf) GELU, or SwiGLU silu(gate) * up with the first projection's rows
+    [up | gate] (GPT-NeoX's linear1). Widths from model_shape.mlp_widths (GPT-NeoX's rule)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h = cfg.hidden_size
+        widths, bias = mlp_widths(cfg), cfg.use_bias_in_mlp
+        self.gated = gated(cfg)
+        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, widths.in_rows, bias=bias)
+        self.dense_4h_to_h = nn.Linear(widths.inner, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dense_h_to_4h(x)
+        if self.gated:
+            up, gate = y.chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(y))
+
+
+class Block(nn.Module):
+    """One transformer block: parallel residual (gpt_j_residual, two norms) or sequential."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
         self.parallel_residual = cfg.gpt_j_residual
-        self.input_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
-        self.post_attention_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
-        self.attention = SelfAttention(h, cfg.num_attention_heads, cfg.attention_dropout)
-        self.mlp = MLP(h, intermediate_size_of(cfg))
+        self.input_layernorm = make_norm(cfg)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.attention = SelfAttention(cfg)
+        self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -218,12 +227,12 @@ class Block(nn.Module):
 
 
 class OutputHead(nn.Module):
-    """Last unit: final LayerNorm and the projection to vocabulary logits (no bias, as HF)."""
+    """Last unit: final norm and the projection to vocabulary logits (no bias, as HF)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, eps: float):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
-        self.final_layer_norm = nn.LayerNorm(hidden_size, eps=eps)
-        self.embed_out = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.final_layer_norm = make_norm(cfg)
+        self.embed_out = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The logits; with ``labels``, the mean cross entropy instead, chunk by chunk (no logits)."""
@@ -311,11 +320,11 @@ class GPTNeoX(nn.Module):
 
         self.embed = Embedding(vocab_size, h, model_cfg.hidden_dropout)
         self.layers = nn.ModuleList(Block(model_cfg) for _ in range(model_cfg.num_layers))
-        self.final = OutputHead(vocab_size, h, model_cfg.layernorm_epsilon)
+        self.final = OutputHead(model_cfg, vocab_size)
         if not model_cfg.no_weight_tying:
             self.final.embed_out.weight = self.embed.embed_in.weight
 
-        cos, sin = rotary_tables(rotary_dims_of(model_cfg), max_positions_of(model_cfg), model_cfg.rotary_emb_base)
+        cos, sin = rotary_tables(rotary_dims(model_cfg), max_positions(model_cfg), model_cfg.rotary_emb_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         torch.random.set_rng_state(rng_at_entry)
@@ -359,7 +368,7 @@ class GPTNeoX(nn.Module):
     def init_buffers(self) -> None:
         """The rotary tables (also for a model built on the meta device and moved with ``to_empty``)."""
         cfg = self.config
-        cos, sin = rotary_tables(rotary_dims_of(cfg), max_positions_of(cfg), cfg.rotary_emb_base)
+        cos, sin = rotary_tables(rotary_dims(cfg), max_positions(cfg), cfg.rotary_emb_base)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.config.model_shape import head_dim, kv_heads
+
 
 class LayerCache:
     """One attention layer's keys and values, [batch, heads, max_len, head_dim] each."""
@@ -50,8 +52,8 @@ class KVCache:
         ``dtype`` says otherwise (the compute dtype under autocast)."""
         cfg = model.config
         weight = model.embed.embed_in.weight
-        heads = cfg.num_attention_heads
-        return cls(cfg.num_layers, batch, heads, max_len, cfg.hidden_size // heads,
+        # Keys and values of the K/V heads only: grouped-query attention caches num_kv_heads of them.
+        return cls(cfg.num_layers, batch, kv_heads(cfg), max_len, head_dim(cfg),
                    dtype or weight.dtype, weight.device)
 
     def advance(self, new: int) -> None:

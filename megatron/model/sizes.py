@@ -11,41 +11,53 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 from megatron.model.fused_cross_entropy import chunk_rows_for
-from megatron.model.gpt_neox import intermediate_size_of
+from megatron.config.model_shape import gated, head_dim, kv_heads, mlp_widths, qkv_rows
 
 
 def unit_parameter_counts(model_cfg: ModelConfig, vocab_size: int) -> list[int]:
     """Parameters of each unit in forward order ``[embed, *layers, final]``.
 
     With tied embeddings the shared matrix is counted once, in the embedding unit; the final unit
-    then holds only its LayerNorm.
+    then holds only its norm.
     """
     h, v = model_cfg.hidden_size, vocab_size
-    embed = v * h
-    block = 2 * (2 * h) + block_linear_parameters(model_cfg)  # + input and post-attention LayerNorms
-    final = 2 * h + (v * h if model_cfg.no_weight_tying else 0)
-    return [embed] + [block] * model_cfg.num_layers + [final]
+    norm = _norm_parameters(model_cfg)
+    block = 2 * norm + block_linear_parameters(model_cfg)  # + input and post-attention norms
+    final = norm + (v * h if model_cfg.no_weight_tying else 0)
+    return [v * h] + [block] * model_cfg.num_layers + [final]
+
+
+def _norm_parameters(model_cfg: ModelConfig) -> int:
+    """LayerNorm: weight and bias; RMSNorm: a weight only."""
+    return model_cfg.hidden_size * (1 if model_cfg.norm == "rmsnorm" else 2)
+
+
+def _block_linears(model_cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
+    """One block's four nn.Linear layers as (name, out, in, has bias), in registration order."""
+    h, mlp = model_cfg.hidden_size, mlp_widths(model_cfg)
+    attn_bias, mlp_bias = model_cfg.use_bias_in_attn_linear, model_cfg.use_bias_in_mlp
+    return [("attention.query_key_value", qkv_rows(model_cfg), h, attn_bias),  # Q, and K and V of kv heads
+            ("attention.dense", h, h, attn_bias),
+            ("mlp.dense_h_to_4h", mlp.in_rows, h, mlp_bias),                   # [up | gate] when gated
+            ("mlp.dense_4h_to_h", h, mlp.inner, mlp_bias)]
 
 
 def block_linear_parameters(model_cfg: ModelConfig) -> int:
-    """Weights and biases of one block's four nn.Linear layers (its parameters but the LayerNorms)."""
-    h, f = model_cfg.hidden_size, intermediate_size_of(model_cfg)
-    return ((3 * h * h + 3 * h)    # fused QKV projection
-            + (h * h + h)          # attention output projection
-            + (h * f + f)          # MLP in
-            + (f * h + h))         # MLP out
+    """Weights and biases of one block's four nn.Linear layers (its parameters but the norms)."""
+    return sum(out * inp + (out if bias else 0) for _, out, inp, bias in _block_linears(model_cfg))
 
 
 def unit_parameter_shapes(model_cfg: ModelConfig, vocab_size: int) -> list[list[tuple[str, tuple]]]:
     """Each unit's parameters as (name within the unit, shape), in ``named_parameters()`` order (the
     order the engine flattens them and DeepSpeed registers them); the counts of
     ``unit_parameter_counts`` unit by unit."""
-    h, f, v = model_cfg.hidden_size, intermediate_size_of(model_cfg), vocab_size
-    norm = lambda name: [(f"{name}.weight", (h,)), (f"{name}.bias", (h,))]  # noqa: E731
-    linear = lambda name, out, inp: [(f"{name}.weight", (out, inp)), (f"{name}.bias", (out,))]  # noqa: E731
-    block = (norm("input_layernorm") + norm("post_attention_layernorm")
-             + linear("attention.query_key_value", 3 * h, h) + linear("attention.dense", h, h)
-             + linear("mlp.dense_h_to_4h", f, h) + linear("mlp.dense_4h_to_h", h, f))
+    h, v = model_cfg.hidden_size, vocab_size
+    rms = model_cfg.norm == "rmsnorm"
+    norm = lambda name: [(f"{name}.weight", (h,))] + ([] if rms else [(f"{name}.bias", (h,))])  # noqa: E731
+    linears = []
+    for name, out, inp, bias in _block_linears(model_cfg):
+        linears += [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
+    block = norm("input_layernorm") + norm("post_attention_layernorm") + linears
     final = norm("final_layer_norm") + ([("embed_out.weight", (v, h))] if model_cfg.no_weight_tying else [])
     return [[("embed_in.weight", (v, h))]] + [list(block) for _ in range(model_cfg.num_layers)] + [final]
 
@@ -60,27 +72,41 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def attention_span(model_cfg: ModelConfig, seq_length: int | None = None) -> int:
+    """Keys a query is counted against: the sequence, or a sliding window's w + 1 when shorter."""
+    s = model_cfg.seq_length if seq_length is None else seq_length
+    window = model_cfg.sliding_window_width
+    return s if window is None else min(s, window + 1)
+
+
 def unit_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int | None = None) -> tuple:
     """Forward model FLOPs per token of each unit, in forward order ``(embed, *blocks, final)``: the
     one FLOP formula of the project (the training log's TFLOPS and MFU, the step-time model's compute,
     bench/gpu_throughput.py all read it). Model FLOPs: recomputation under activation checkpointing
-    is not counted, the causal mask is not discounted, biases / norms / softmax are neglected:
+    is not counted, the causal mask is not discounted, biases / norms / softmax / the SwiGLU product
+    are neglected:
 
-        block   2 * (3h^2 + h^2 + 2hf)  (QKV, attention out, MLP in + out)  + 2 * 2sh  (QK^T, attn x V)
-        final   2 * hV                  (the output layer)
-        embed   0                       (a lookup, not a matmul)
+        block   2 * h * (Q + K + V + h + R + I)  (QKV rows Q+K+V = h + 2 kv_heads d, attention out,
+                                                  MLP in of R rows, MLP out from I: 3h^2 + h^2 + 2hI
+                                                  for NeoX-20B's shape, 3 matrices of I with SwiGLU)
+                + 2 * 2 * a * h                  (QK^T and attention x V over a keys: every query head
+                                                  reads a keys whatever the K/V heads; a = seq_length,
+                                                  or w + 1 with a sliding window of w)
+        final   2 * hV                           (the output layer)
+        embed   0                                (a lookup, not a matmul)
 
     ``seq_length`` (the attention span) defaults to the model's."""
-    h, f, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
-    s = model_cfg.seq_length if seq_length is None else seq_length
-    block = 2 * (3 * h * h + h * h + 2 * h * f) + 2 * (2 * s * h)
+    h, layers = model_cfg.hidden_size, model_cfg.num_layers
+    matmul = sum(out * inp for _, out, inp, _ in _block_linears(model_cfg))
+    block = 2 * matmul + 2 * (2 * attention_span(model_cfg, seq_length) * h)
     return (0.0,) + (float(block),) * layers + (float(2 * h * vocab_size),)
 
 
 def model_flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_length: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token: 3x the forward of ``unit_flops_per_token`` (the
     backward costs twice the forward). This is the familiar ``6N + 12 L h s`` with N the matmul
-    weights (the input embedding excluded), the quantity TFLOPS and MFU are reported in."""
+    weights (the input embedding excluded), the quantity TFLOPS and MFU are reported in (with a
+    sliding window, s is the window's span)."""
     return 3.0 * sum(unit_flops_per_token(model_cfg, vocab_size, seq_length))
 
 
@@ -120,19 +146,40 @@ def backward_activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_bat
     backward) and either one chunk of c rows (fp32 softmax, c V) or, in backward, the scaled hidden
     gradient (Th), whichever is larger, each in fp32 plus, below fp32, its compute-dtype copy:
     (Vh + max(cV, Th)) x (4 + e) bytes (x 4 in fp32).
+
+    The figures above are NeoX-20B's shape (QKV rows 3h, MLP rows I, GELU). In general, with Q = QKV
+    rows (h + 2 kv, kv = num_kv_heads x head_dim), R the MLP's wide rows and A what follows them
+    (GELU: R; SwiGLU: silu(gate) and the product, 2 x inner): a block keeps (3h + Q + 2 (h + kv) + 2h
+    + R + A) T, selective keeps (4h + Q + R) T and recomputes (4h + kv + A) T, and a block's backward
+    starts with (h + R) T. RMSNorm adds its fp32 tensors (``_rms_norm_extra_bytes``) to what a block
+    keeps and recomputes.
     """
-    h, inner, layers = model_cfg.hidden_size, intermediate_size_of(model_cfg), model_cfg.num_layers
+    h, layers = model_cfg.hidden_size, model_cfg.num_layers
+    mlp, kv = mlp_widths(model_cfg), kv_heads(model_cfg) * head_dim(model_cfg)
+    # After the wide projection: GELU's output (I), or SwiGLU's silu(gate) and product (2 x inner).
+    activation = 2 * mlp.inner if gated(model_cfg) else mlp.in_rows
     tokens = micro_batch * model_cfg.seq_length
-    block = (12 * h + 2 * inner) * tokens * elem_bytes
+    per_token = (3 * h + qkv_rows(model_cfg) + 2 * (h + kv) + 2 * h + mlp.in_rows + activation)
+    norms = _rms_norm_extra_bytes(model_cfg, tokens, elem_bytes)
+    block = per_token * tokens * elem_bytes + norms
     head = head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
-    grads = (h + inner) * tokens * elem_bytes  # a block's output and MLP-input gradients
+    grads = (h + mlp.in_rows) * tokens * elem_bytes  # a block's output and MLP-input gradients
     if model_cfg.checkpoint_activations and model_cfg.recompute_granularity == "selective":
-        kept, recomputed = ((k * h + inner) * tokens * elem_bytes for k in (7, 5))
+        kept = (4 * h + qkv_rows(model_cfg) + mlp.in_rows) * tokens * elem_bytes
+        recomputed = (2 * h + (h + kv) + h + activation) * tokens * elem_bytes + norms
     elif model_cfg.checkpoint_activations:
         kept, recomputed = tokens * h * elem_bytes, block
     else:
         kept, recomputed = block, 0
     return BackwardActivations(layers * kept + head, layers * kept + recomputed + grads)
+
+
+def _rms_norm_extra_bytes(model_cfg: ModelConfig, tokens: int, elem_bytes: int) -> int:
+    """What a block's two RMSNorms keep beyond their outputs: each its fp32 normalised input (T h x 4
+    bytes) and, below fp32, its fp32 copy of the input too (megatron/model/gpt_neox.py RMSNorm)."""
+    if model_cfg.norm != "rmsnorm":
+        return 0
+    return 2 * tokens * model_cfg.hidden_size * 4 * (1 if elem_bytes >= 4 else 2)
 
 
 def autocast_copy_bytes(model_cfg: ModelConfig, vocab_size: int, elem_bytes: int,
