@@ -181,7 +181,12 @@ def test_the_plan_runs_ds_zero3_first_and_overlap_twice_for_ours_only():
                     ("ours_hsdp", "2x2", 4, "off"), ("ours_hsdp", "2x2", 4, "on")]
     args = compare_peers.parse_args(["--layouts", "2x2", "--accumulation", "1", "--overlap", "on"])
     default = [c.key for c, *_ in compare_peers.plan(args)]
-    assert "ds_zeropp" not in default and len(default) == len(compare_peers.CONFIGS) - 1
+    eight_only = [c.key for c in compare_peers.CONFIGS if c.layouts and "2x2" not in c.layouts]
+    assert eight_only == ["ours_topo_148", "ours_topo_228", "ours_topo_288", "ours_topo_448"]
+    assert "ds_zeropp" not in default and len(default) == len(compare_peers.CONFIGS) - 1 - len(eight_only)
+    args = compare_peers.parse_args(["--accumulation", "4", "--overlap", "on"])  # the default layout: 2x2x2
+    assert {layout for _, layout, *_ in compare_peers.plan(args)} == {"2x2x2"}
+    assert len(compare_peers.plan(args)) == len(compare_peers.CONFIGS) - 1
 
 
 def test_shapes_share_the_global_batch():
@@ -280,3 +285,90 @@ def test_smoke_two_configs_two_steps(network, tmp_path):
     assert ours["ledger_bytes_per_step"] > 0 and ours["iface_over_ledger"] > 1.0
     assert ours["info"]["factors"] == [2, 2, 4]
     assert (tmp_path / "c.png").exists()
+
+
+# --- issue 41: three tiers, the peers at their best -----------------------------------------------------
+
+def three_tier_ranks():
+    """2 x 2 x 2, 1 timed step: node uplinks sent 300 + 500 B (no bookkeeping); GPU links 1,000 / 0 / 800 / 0
+    (their first ranks: 0, 2, 4, 6), loopbacks 4,000 each, bookkeeping 100 on GPU links and 10 on loopbacks."""
+    ranks = []
+    for r in range(8):
+        tx = {0: 300, 4: 500}.get(r)
+        f = rank_file(r, r % 4, [1.0, 2.0], tx=tx, bookkeeping_tx=0 if tx is not None else None,
+                      ledger={"grad_reduce": 100})
+        first_of_gpu = r % 2 == 0
+        f["gpu_window"] = {"gpu_link_tx": {0: 1100, 2: 100, 4: 900, 6: 100}[r], "intra_gpu_tx": 4010} if first_of_gpu else None
+        f["gpu_bookkeeping"] = {"gpu_link_tx": 100, "intra_gpu_tx": 10} if first_of_gpu else None
+        f["ledger_tier_window"] = {"intra_gpu": 2000, "intra_node": 200, "inter_node": 100}
+        ranks.append(f)
+    return ranks
+
+
+def test_three_tier_bytes_per_tier_against_the_ledger():
+    row = report.summarize_ranks(three_tier_ranks(), None, 0, steps=1, warmup=1, world_size=8)
+    assert row["iface_bytes_per_step"] == 800.0
+    # GPU links sent 1,000 + 0 + 800 + 0; less the 800 that went on across nodes
+    assert row["iface_tier_bytes_per_step"] == {"intra_gpu": 16000.0, "intra_node": 1000.0, "inter_node": 800.0}
+    assert row["ledger_tier_bytes_per_step"] == {"intra_gpu": 16000.0, "intra_node": 1600.0, "inter_node": 800.0}
+    assert row["iface_over_ledger_by_tier"] == {"intra_gpu": 1.0, "intra_node": 0.625, "inter_node": 1.0}
+    two_tier = report.summarize_ranks(two_by_two_ranks(), None, 0, steps=3, warmup=1, world_size=4)
+    assert "iface_tier_bytes_per_step" not in two_tier
+
+
+def test_speed_is_over_the_fastest_peer_row_and_the_three_tier_goals():
+    rows = [row("ds_zero3", "DeepSpeed ZeRO-3", 8.0, 400e6, layout="2x2x2"),
+            row("fsdp2_hsdp_best", "FSDP2 HSDP best", 4.0, 100e6, layout="2x2x2"),
+            row("fsdp2_hsdp", "FSDP2 HSDP", None, None, layout="2x2x2", ok=False, error="x"),
+            row("ours_zero_topo", "ours zero_topo", 2.0, 50e6, layout="2x2x2", overlap="on"),
+            row("ours_zero_topo_q", "ours zero_topo INT8w/INT4g", 2.5, 20e6, layout="2x2x2", overlap="on"),
+            row("ours_hsdp", "ours hsdp", 1.0, 50e6, layout="2x2x2", accumulation=1, overlap="on")]
+    for r in rows:
+        r["peer"] = "ours" if r["config"].startswith("ours") else "fsdp2"
+        r["three_tier"] = True
+    report.add_ratios(rows)
+    assert [r["speedup_vs_best_peer"] for r in rows] == [0.5, 1.0, None, 2.0, 1.6, None]
+    assert rows[3]["best_peer"] == "fsdp2_hsdp_best" and rows[5]["best_peer"] is None  # no peer at accumulation 1
+    verdicts = report.goals_three_tier(rows)
+    assert [(v["measured"], v["met"]) for v in verdicts] == [("2.00x", True), ("1.60x", False)]
+    text = report.markdown({"meta": {"rate": "640mbit", "gpu_rate": "640mbit", "steps": 3, "warmup": 1},
+                            "rows": rows})
+    assert "**2x2x2 (three tiers), accumulation 4**" in text and "speed / best peer" in text
+    assert "- ours zero_topo INT8w/INT4g [overlap on]: at least 2x the fastest peer (fsdp2_hsdp_best): " \
+           "measured 1.60x -> NOT met" in text
+
+
+def test_the_expected_cross_node_bytes_of_the_hsdp_like_peers():
+    shape = compare_peers.bench_shape("tiny", "2x2x2", 4)
+    by = compare_peers.BY_KEY
+    expected = {k: compare_peers.expected_inter_node_bytes(by[k], shape, 1000)
+                for k in ("fsdp2_hsdp", "fsdp2_hsdp_best", "fsdp2_hsdp_nosync", "ds_mics", "ds_zero3", "ours_hsdp")}
+    # 2 replicas: each of the 4 shard positions all-reduces 4,000 / 4 B between 2 ranks, 1,000 B each
+    assert expected == {"fsdp2_hsdp": 4 * 8000, "fsdp2_hsdp_best": 8000, "fsdp2_hsdp_nosync": 8000,
+                        "ds_mics": 8000, "ds_zero3": None, "ours_hsdp": None}
+
+
+def test_the_peers_best_options_and_the_three_tier_launch():
+    shape = compare_peers.bench_shape("tiny", "2x2x2", 4)
+    by = compare_peers.BY_KEY
+    assert by["fsdp2"].trainer_options(shape) == {"reshard_after_forward": True, "defer": "none"}
+    assert by["fsdp2_node"].trainer_options(shape) == {"reshard_after_forward": 4, "defer": "gradient"}
+    assert by["fsdp2_hsdp_best"].trainer_options(shape) == {"reshard_after_forward": False, "defer": "all_reduce"}
+    assert by["ds_mics"].trainer_options(shape)["mics"] == 4 and by["ds_hpz"].trainer_options(shape)["hpz"] == 4
+    assert by["ds_zero3"].trainer_options(shape) == {"hpz": 1, "quantized_weights": False,
+                                                     "quantized_gradients": False, "mics": 0}
+    cfg = peers.run_config(shape, "zero_topo", by["ours_topo_148"].overrides)
+    assert cfg.zero.resolved_factors == [1, 4, 8]
+    args = compare_peers.parse_args(["--gpu-rate", "500mbit"])
+    command = compare_peers.launch_command(args, by["ds_zero3"], "2x2x2", 4, "default", REPO)
+    i = command.index("--gpus-per-node")
+    assert command[i:i + 4] == ["--gpus-per-node", "2", "--gpu-rate", "500mbit"]
+    assert "--gpus-per-node" not in compare_peers.launch_command(args, by["ds_zero3"], "2x4", 4, "default", REPO)
+
+
+def test_mics_without_its_deepspeed_is_a_one_line_row(monkeypatch, tmp_path):
+    monkeypatch.setattr(compare_peers, "DEEPSPEED_MICS_DIR", tmp_path / "absent")
+    args = compare_peers.parse_args(["--only", "ds_mics"])
+    got = compare_peers.run_one(args, compare_peers.BY_KEY["ds_mics"], "2x2x2", 4, "default")
+    assert not got["ok"] and "MiCS was removed from DeepSpeed in 0.19.7" in got["error"]
+    assert "\n" not in got["error"]

@@ -1,6 +1,11 @@
-"""Speed side by side on an emulated two-tier cluster: our presets, DeepSpeed ZeRO-3 / hpZ and FSDP2
-train the same GPT-NeoX on the same data, and each configuration is timed, its inter-node bytes
-counted and its memory read (docs/benchmarks.md). The command line is bench/compare_peers.py.
+"""Speed side by side on an emulated cluster: our presets and layouts, DeepSpeed ZeRO-3 / hpZ / MiCS and
+FSDP2 (fully_shard, HSDP), each at its default and as an expert runs it for gradient accumulation, train
+the same GPT-NeoX on the same data; each configuration is timed, its bytes counted per tier and its
+memory read (docs/benchmarks.md). The command line is bench/compare_peers.py.
+
+Layouts: 2x2x2 is three tiers (tools/emulate_cluster.py --gpus-per-node 2: each GPU's pair of ranks in a
+namespace of its own behind a --gpu-rate link, nodes behind --rate links); 2x4 and 2x2 are the two-tier
+cluster of the earlier tables (every rank of a node on one loopback).
 
     .venv/bin/python bench/compare_peers.py                  # the whole matrix (as root)
     .venv/bin/python bench/compare_peers.py --only ds_zero3 ours_zero_topo --layouts 2x2 \\
@@ -54,7 +59,14 @@ DEFAULT_OUT = CHECKOUT / "bench" / "results" / "compare_peers.json"
 DEFAULT_PNG = CHECKOUT / "bench" / "results" / "compare_peers.png"
 # Layouts: the name, the topology tiers our engine sees (slowest first). 2 x 4 is a Frontier-like
 # node of 2 GPUs x 2 GCDs, so zero_topo's weight tier is the pair: (2, 4, 8), as (2, 8, N) there.
-LAYOUTS = {"2x4": (2, 2, 2), "2x2": (2, 2)}
+# 2x2x2 is the same ranks on the three-tier network (THREE_TIER: GPUs per node).
+LAYOUTS = {"2x2x2": (2, 2, 2), "2x4": (2, 2, 2), "2x2": (2, 2)}
+THREE_TIER = {"2x2x2": 2}
+# DeepSpeed MiCS was removed in 0.19.7: its rows run DeepSpeed 0.19.6 from this folder, put first on
+# PYTHONPATH (`pip install --no-deps --target DIR deepspeed==0.19.6`), with an extension cache of its own.
+DEEPSPEED_MICS_VERSION = "0.19.6"
+DEEPSPEED_MICS_DIR = Path(os.environ.get("NEOX_DEEPSPEED_MICS_DIR",
+                                         Path.home() / ".cache" / "neox_topo" / f"deepspeed-{DEEPSPEED_MICS_VERSION}"))
 # The benchmark's model: 4.2M parameters (16.8 MB in fp32). One DeepSpeed ZeRO-3 micro-step sends
 # ~90 MB across the node links; at 300 Mbit/s that takes longer than the compute of 8 ranks on 2 cores
 # (measured at accumulation 4 on 2 x 4: 3.2 s per step with unlimited links, 7.7 s at 300 Mbit/s;
@@ -76,30 +88,56 @@ class Config:
     overrides: tuple = ()            # `--set`-style, for ours
     quantized: bool = False          # DeepSpeed qwZ + qgZ
     hpz: bool = False                # DeepSpeed hpZ over the node
+    mics: bool = False               # DeepSpeed MiCS, shard group = the node, hierarchical gather
+    reshard: str = "default"         # FSDP2 reshard_after_forward: default (True), keep (False), node (int)
+    defer: str = "none"              # FSDP2, before the last micro-batch: none, all_reduce, gradient
+    layouts: tuple = ()              # the layouts it applies to (empty: all)
+    best: bool = False               # a peer as an expert configures it for accumulation on a slow link
 
     @property
     def has_overlap(self) -> bool:   # overlap_comm is our engine's key; the peers run as they do
         return self.peer == "ours"
 
     def trainer_options(self, shape: peers.Shape) -> dict:
-        if self.peer != "deepspeed":
-            return {}
-        return {"hpz": shape.ranks_per_node if self.hpz else 1, "quantized_weights": self.quantized,
-                "quantized_gradients": self.quantized}
+        if self.peer == "deepspeed":
+            return {"hpz": shape.ranks_per_node if self.hpz else 1, "quantized_weights": self.quantized,
+                    "quantized_gradients": self.quantized, "mics": shape.ranks_per_node if self.mics else 0}
+        if self.peer == "fsdp2":
+            reshard = {"default": True, "keep": False, "node": shape.ranks_per_node}[self.reshard]
+            return {"reshard_after_forward": reshard, "defer": self.defer}
+        return {}
 
 
 QUANT = ("zero_optimization.zero_quantized_weights=true", "zero_optimization.zero_quantized_gradients=true")
-CONFIGS = [  # DeepSpeed ZeRO-3 first: every other row's ratio is to it
+EIGHT = ("2x2x2", "2x4")  # explicit factors of 8 ranks
+
+
+def factors(w: int, g: int, os_: int) -> tuple:
+    return (f"zero_optimization.shard_factors=[{w}, {g}, {os_}]",)
+
+
+CONFIGS = [  # DeepSpeed ZeRO-3 first: the history's ratios are to it; issue 41's to the best peer row
     Config("ds_zero3", "DeepSpeed ZeRO-3", "deepspeed", "zero3"),
-    Config("ds_hpz", "DeepSpeed ZeRO-3 + hpZ", "deepspeed", "zero3", hpz=True),
+    Config("ds_hpz", "DeepSpeed ZeRO-3 + hpZ", "deepspeed", "zero3", hpz=True, best=True),
+    Config("ds_mics", "DeepSpeed MiCS (shard = node, hierarchical gather)", "deepspeed", "zero3", mics=True, best=True),
     Config("ds_zeropp", "DeepSpeed ZeRO++ (qwZ+qgZ+hpZ)", "deepspeed", "zero3", hpz=True, quantized=True),
     Config("fsdp2", "FSDP2 fully_shard", "fsdp2", "zero3"),
+    Config("fsdp2_node", "FSDP2 fully_shard, reshard to node, sync last micro-batch", "fsdp2", "zero3",
+           reshard="node", defer="gradient", best=True),
     Config("fsdp2_hsdp", "FSDP2 HSDP", "fsdp2", "hsdp"),
+    Config("fsdp2_hsdp_best", "FSDP2 HSDP, all-reduce last micro-batch, no reshard", "fsdp2", "hsdp",
+           reshard="keep", defer="all_reduce", best=True),
+    Config("fsdp2_hsdp_nosync", "FSDP2 HSDP, sync last micro-batch, no reshard", "fsdp2", "hsdp",
+           reshard="keep", defer="gradient", best=True),
     Config("ours_zero3", "ours zero3", "ours", "zero3"),
     Config("ours_zeropp", "ours zeropp INT8w/INT4g", "ours", "zeropp", QUANT),
     Config("ours_hsdp", "ours hsdp", "ours", "hsdp"),
     Config("ours_zero_topo", "ours zero_topo", "ours", "zero_topo"),
     Config("ours_zero_topo_q", "ours zero_topo INT8w/INT4g", "ours", "zero_topo", QUANT),
+    Config("ours_topo_148", "ours (1, 4, 8)", "ours", "zero_topo", factors(1, 4, 8), layouts=EIGHT),
+    Config("ours_topo_228", "ours (2, 2, 8)", "ours", "zero_topo", factors(2, 2, 8), layouts=EIGHT),
+    Config("ours_topo_288", "ours (2, 8, 8)", "ours", "zero_topo", factors(2, 8, 8), layouts=EIGHT),
+    Config("ours_topo_448", "ours (4, 4, 8): w = node", "ours", "zero_topo", factors(4, 4, 8), layouts=EIGHT),
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
 # DeepSpeed 0.19.8's quantizer op has no CPU build: with qwZ, deepspeed.initialize fails in ZeRO's
@@ -122,12 +160,39 @@ def bench_shape(model: str, layout: str, accumulation: int) -> peers.Shape:
 
 
 def read_interface() -> dict | None:
-    """This node's interface counters (the first rank of each node reads them), else None."""
+    """This node's uplink counters (the first rank of each node reads them), else None. On three tiers
+    the uplink sits in the node's namespace, not the rank's: read there (`ip netns exec`, as root)."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if not ifname or os.environ.get("LOCAL_RANK", "0") != "0":
         return None
+    names = ("tx_bytes", "rx_bytes")
+    node_ns = os.environ.get("NEOX_EMU_NODE_NETNS")
+    if node_ns:
+        files = [f"/sys/class/net/{os.environ['NEOX_EMU_NODE_IF']}/statistics/{n}" for n in names]
+        out = subprocess.run(["ip", "netns", "exec", node_ns, "cat", *files], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return dict(zip(names, map(int, out)))
     stats = Path("/sys/class/net") / ifname / "statistics"
-    return {name: int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
+    return {name: int((stats / name).read_text()) for name in names}
+
+
+def read_gpu_counters() -> dict | None:
+    """Three tiers: what this GPU sent on its link and on its loopback (its pair's traffic), read by the
+    GPU's first rank; else None."""
+    per_gpu = os.environ.get("NEOX_EMU_RANKS_PER_GPU")
+    if not per_gpu or int(os.environ.get("LOCAL_RANK", "0")) % int(per_gpu):
+        return None
+    sysfs = Path("/sys/class/net")
+    return {"gpu_link_tx": int((sysfs / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes").read_text()),
+            "intra_gpu_tx": int((sysfs / "lo" / "statistics" / "tx_bytes").read_text())}
+
+
+def read_counters() -> dict:
+    return {"node": read_interface(), "gpu": read_gpu_counters()}
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    return {k: counter_delta(before[k], after[k]) for k in before}
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -140,6 +205,17 @@ def ledger_inter_node(trainer) -> dict | None:
     if ledger is None:
         return None
     return {phase: nbytes for (phase, tier), nbytes in ledger.snapshot().items() if tier == "inter_node"}
+
+
+def ledger_tiers(trainer) -> dict | None:
+    """Our ledger's bytes of this rank, by tier (None for the peers)."""
+    ledger = getattr(trainer, "ledger", None)
+    if ledger is None:
+        return None
+    out: dict = {}
+    for (_, tier), nbytes in ledger.snapshot().items():
+        out[tier] = out.get(tier, 0) + nbytes
+    return out
 
 
 def timed_steps(trainer, first: int, count: int, barrier) -> tuple[list[float], list[float], list[float]]:
@@ -160,12 +236,12 @@ def bookkeeping_window(count: int, barrier) -> dict | None:
     """The counters of the timed loop's own collectives (a barrier and a loss all-reduce per step,
     one closing barrier), without any training: subtracted from the timed window."""
     barrier()
-    before = read_interface()
+    before = read_counters()
     for _ in range(count):
         barrier()
         peers.global_mean([0.0])
     barrier()
-    return counter_delta(before, read_interface())
+    return counters_delta(before, read_counters())
 
 
 def rank_main(args: argparse.Namespace) -> int:
@@ -176,7 +252,7 @@ def rank_main(args: argparse.Namespace) -> int:
     out = Path(args.workdir) / f"rank{rank}.json"
     torch.set_num_threads(1)
     fields = json.loads(args.config)
-    config = Config(**{**fields, "overrides": tuple(fields["overrides"])})
+    config = Config(**{**fields, "overrides": tuple(fields["overrides"]), "layouts": tuple(fields.get("layouts", ()))})
     shape = bench_shape(args.model, args.layouts[0], args.accumulation[0])
     overrides = list(config.overrides)
     if config.has_overlap and args.overlap in ("on", "off"):
@@ -191,12 +267,13 @@ def rank_main(args: argparse.Namespace) -> int:
         warm_times, warm_losses, _ = timed_steps(trainer, 0, args.warmup, barrier)
         bookkeeping = bookkeeping_window(args.steps, barrier)
         barrier()
-        counters, ledger = read_interface(), ledger_inter_node(trainer)
+        counters, ledger, tiers = read_counters(), ledger_inter_node(trainer), ledger_tiers(trainer)
         times, losses, norms = timed_steps(trainer, args.warmup, args.steps, barrier)
         barrier()
-        window = counter_delta(counters, read_interface())
-        ledger_after = ledger_inter_node(trainer)
+        window = counters_delta(counters, read_counters())
+        ledger_after, tiers_after = ledger_inter_node(trainer), ledger_tiers(trainer)
         ledger_window = None if ledger is None else {p: ledger_after[p] - ledger[p] for p in ledger}
+        tier_window = None if tiers is None else {t: tiers_after[t] - tiers.get(t, 0) for t in tiers_after}
         breakdown = None
         if args.breakdown:  # one more step, after every window was read: where its time went
             from megatron.logging.step_profile import profile_step
@@ -205,8 +282,9 @@ def rank_main(args: argparse.Namespace) -> int:
             breakdown.pop("top")
         payload = {"ok": True, "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
                    "step_times_s": warm_times + times, "losses": warm_losses + losses, "grad_norms": norms,
-                   "interface_window": window, "interface_bookkeeping": bookkeeping,
-                   "ledger_inter_node_window": ledger_window, "info": trainer.info(), "breakdown": breakdown,
+                   "interface_window": window["node"], "interface_bookkeeping": bookkeeping["node"],
+                   "gpu_window": window["gpu"], "gpu_bookkeeping": bookkeeping["gpu"],
+                   "ledger_inter_node_window": ledger_window, "ledger_tier_window": tier_window, "info": trainer.info(), "breakdown": breakdown,
                    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
         trainer.close()
     except BaseException as err:  # noqa: BLE001 - what a rank raises goes into the table
@@ -236,7 +314,9 @@ def launch_command(args: argparse.Namespace, config: Config, layout: str, accumu
              *(["--overlap", overlap] if overlap != "default" else []),
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
              *(["--breakdown"] if args.breakdown else []), "--workdir", str(workdir)]
-    return [sys.executable, str(TOOL), "--nodes", str(tiers[0]), "--ranks-per-node", str(per_node),
+    three = (["--gpus-per-node", str(THREE_TIER[layout]), "--gpu-rate", args.gpu_rate]
+             if layout in THREE_TIER else [])
+    return [sys.executable, str(TOOL), "--nodes", str(tiers[0]), "--ranks-per-node", str(per_node), *three,
             "--rate", args.rate, "--report", str(workdir / "report.json"), "--timeout-s", str(args.launch_timeout),
             "--prefix", "nxcmp", "--command", shlex.join(inner)]
 
@@ -247,8 +327,17 @@ def run_one(args: argparse.Namespace, config: Config, layout: str, accumulation:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(peers.DEFAULT_EXTENSIONS_DIR))
     row = {"config": config.key, "label": config.label, "peer": config.peer, "layout": layout,
-           "tiers": list(LAYOUTS[layout]), "accumulation": accumulation,
-           "overlap": overlap if config.has_overlap else None, "steps": args.steps, "warmup": args.warmup}
+           "tiers": list(LAYOUTS[layout]), "three_tier": layout in THREE_TIER, "accumulation": accumulation,
+           "overlap": overlap if config.has_overlap else None, "best": config.best, "steps": args.steps,
+           "warmup": args.warmup}
+    if config.mics:
+        if not (DEEPSPEED_MICS_DIR / "deepspeed").is_dir():
+            return {**row, "ok": False, "launch_s": 0.0, "error": (
+                f"MiCS was removed from DeepSpeed in 0.19.7 and needs {DEEPSPEED_MICS_VERSION}, not found in "
+                f"{DEEPSPEED_MICS_DIR} (pip install --no-deps --target {DEEPSPEED_MICS_DIR} "
+                f"deepspeed=={DEEPSPEED_MICS_VERSION})")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DEEPSPEED_MICS_DIR), env.get("PYTHONPATH")]))
+        env["TORCH_EXTENSIONS_DIR"] = env["TORCH_EXTENSIONS_DIR"] + f"_ds{DEEPSPEED_MICS_VERSION}"
     start = time.monotonic()
     with open(workdir / "launch.log", "w") as log:
         code = subprocess.run(launch_command(args, config, layout, accumulation, overlap, workdir), env=env,
@@ -256,8 +345,10 @@ def run_one(args: argparse.Namespace, config: Config, layout: str, accumulation:
     row["launch_s"] = round(time.monotonic() - start, 1)
     ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank*.json"))]
     tool = json.loads((workdir / "report.json").read_text()) if (workdir / "report.json").exists() else None
-    row.update(report.summarize_ranks(ranks, tool, code, args.steps, args.warmup,
-                                      peers.Shape(tiers=LAYOUTS[layout]).world_size))
+    shape = bench_shape(args.model, layout, accumulation)
+    row.update(report.summarize_ranks(ranks, tool, code, args.steps, args.warmup, shape.world_size))
+    row["expected_inter_node_bytes_per_step"] = expected_inter_node_bytes(config, shape, parameter_count(
+        peers.run_config(shape, config.preset).model, shape.vocab))
     if not row["ok"]:
         row["log"] = str(workdir / "launch.log")  # kept: the full tracebacks are in the rank files
         if not ranks:  # the network or the ranks' start failed: the tool's last line says why
@@ -277,10 +368,27 @@ def plan(args: argparse.Namespace) -> list[tuple[Config, str, int, str]]:
     for layout in args.layouts:
         for accumulation in args.accumulation:
             for config in CONFIGS:
-                if config.key in keys:
+                if config.key in keys and (not config.layouts or layout in config.layouts):
                     for overlap in (overlaps if config.has_overlap else ["default"]):
                         runs.append((config, layout, accumulation, overlap))
     return runs
+
+
+def expected_inter_node_bytes(config: Config, shape: peers.Shape, params: int) -> float | None:
+    """What a peer should send across nodes per optimizer step (all nodes, payload, fp32), where its
+    algorithm is plain: the HSDP-like rows' cross-replica all-reduce of the gradients. Each of the R
+    shard positions all-reduces its 4P/R bytes among the node count k of replicas: 2(k-1)/k x 4P/R per
+    rank, all of it cross-node, k ranks per position: 8P(k-1) in all, once per micro-batch by default,
+    once per step when deferred (FSDP2 all_reduce or gradient, MiCS at the boundary). None where gloo's
+    own algorithms decide (its reduce-scatter is an all-reduce; docs/emulated_cluster.md) or the row is ours
+    (the ledger says it)."""
+    k = shape.nodes
+    replica_all_reduce = 8 * params * (k - 1)
+    if config.peer == "fsdp2" and config.preset == "hsdp":
+        return replica_all_reduce * (1 if config.defer != "none" else shape.accumulation)
+    if config.mics:
+        return replica_all_reduce
+    return None
 
 
 def machine() -> dict:
@@ -300,6 +408,7 @@ def versions() -> dict:
         out["deepspeed"] = version("deepspeed")
     except Exception:  # noqa: BLE001 - absent is fine: its rows fail with the import error
         out["deepspeed"] = None
+    out["deepspeed_mics"] = DEEPSPEED_MICS_VERSION if (DEEPSPEED_MICS_DIR / "deepspeed").is_dir() else None
     return out
 
 
@@ -307,6 +416,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict:
     runs = plan(args)
     shape = bench_shape(args.model, "2x2", 1)
     results = {"meta": {"command": "bench/compare_peers.py " + shlex.join(argv), "rate": args.rate,
+                        "gpu_rate": args.gpu_rate, "three_tier_layouts": THREE_TIER,
                         "steps": args.steps, "warmup": args.warmup, "model": {**MODELS[args.model],
                         "parameters": parameter_count(peers.run_config(shape, "zero3").model, shape.vocab)},
                         "global_micro_batch": GLOBAL_MICRO_BATCH, "machine": machine(), **versions(),
@@ -341,13 +451,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", metavar="CONFIG",
                    help=f"configurations to run (default: all but {', '.join(NOT_BY_DEFAULT)}, whose "
                         "quantizer op DeepSpeed does not build for CPU): " + ", ".join(c.key for c in CONFIGS))
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), metavar="NxR",
-                   help="layouts: 2x4 (8 ranks; tiers 2,2,2) and/or 2x2 (4 ranks) (default both)")
+    p.add_argument("--layouts", nargs="+", default=["2x2x2"], metavar="NxR",
+                   help="layouts: 2x2x2 (8 ranks on three tiers; the default), 2x4 (the same 8 ranks, two tiers), "
+                        "2x2 (4 ranks, two tiers)")
     p.add_argument("--accumulation", nargs="+", type=int, default=[1, 4],
                    help="gradient accumulation counts (default 1 4)")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per configuration (default 4)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
-    p.add_argument("--rate", default="300mbit", help="each node link's rate per direction, tc syntax (default 300mbit)")
+    p.add_argument("--rate", default="640mbit",
+                   help="each node link's rate per direction, tc syntax (default 640mbit; the two-tier history ran 300mbit)")
+    p.add_argument("--gpu-rate", default="640mbit",
+                   help="three-tier layouts (2x2x2): each GPU's link in its node, per direction (default 640mbit)")
     p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
                    help="our zero_optimization.overlap_comm: on, off, or both (two rows per preset; default)")
     p.add_argument("--model", choices=tuple(MODELS), default="bench",

@@ -79,11 +79,35 @@ def summarize_ranks(ranks: list[dict], tool: Optional[dict], exit_code: int, ste
     else:
         row["ledger_phases_per_step"], row["ledger_bytes_per_step"] = None, None
     row["iface_over_ledger"] = ratio(row["iface_bytes_per_step"], row["ledger_bytes_per_step"])
+    row.update(tier_fields(by_rank, steps, row["iface_bytes_per_step"]))
     row["profiled"] = profiled_summary([r.get("breakdown") for r in by_rank])
     # The time the busiest node link needs for one step's bytes: near the step time means link-bound.
     rate = row["rate_bits_per_s"]
     row["link_s_per_step"] = max(per_node) * 8 / rate if nodes and rate else None
     return row
+
+
+TIERS = ("intra_gpu", "intra_node", "inter_node")
+
+
+def tier_fields(by_rank: list[dict], steps: int, inter_node: Optional[float]) -> dict:
+    """Three tiers: bytes per step per tier from the GPUs' counters (timed window less bookkeeping, summed
+    over GPUs) -- intra_gpu from the loopbacks, intra_node = the GPU links' less the inter-node bytes --
+    and, for ours, the ledger's per tier and the ratio of each. Empty on two tiers (no GPU counters)."""
+    gpus = [r for r in by_rank if r.get("gpu_window") is not None]
+    if not gpus or inter_node is None:
+        return {}
+    sent = {k: sum(r["gpu_window"][k] - r["gpu_bookkeeping"][k] for r in gpus) / steps
+            for k in ("gpu_link_tx", "intra_gpu_tx")}
+    iface = {"intra_gpu": sent["intra_gpu_tx"], "intra_node": sent["gpu_link_tx"] - inter_node,
+             "inter_node": inter_node}
+    out = {"iface_tier_bytes_per_step": iface, "ledger_tier_bytes_per_step": None, "iface_over_ledger_by_tier": None}
+    ledgers = [r["ledger_tier_window"] for r in by_rank if r.get("ledger_tier_window") is not None]
+    if ledgers:
+        ledger = {t: sum(w.get(t, 0) for w in ledgers) / steps for t in TIERS}
+        out["ledger_tier_bytes_per_step"] = ledger
+        out["iface_over_ledger_by_tier"] = {t: ratio(iface[t], ledger[t]) for t in TIERS}
+    return out
 
 
 def profiled_summary(breakdowns: list[Optional[dict]]) -> Optional[dict]:
@@ -103,13 +127,23 @@ def ratio(a, b) -> Optional[float]:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each row's step time and inter-node bytes over DS ZeRO-3's of the same layout and accumulation."""
+    """Each row's step time and inter-node bytes over DS ZeRO-3's of the same layout and accumulation,
+    and its speed-up over the fastest peer row (any peer configuration, default or best) there."""
     base = {(r["layout"], r["accumulation"]): r for r in rows if r["config"] == BASELINE and r["ok"]}
+    fastest: dict = {}
+    for r in rows:
+        key = (r["layout"], r["accumulation"])
+        if r["ok"] and r["peer"] != "ours" and (key not in fastest or r["median_step_s"] < fastest[key]["median_step_s"]):
+            fastest[key] = r
     for row in rows:
-        ref = base.get((row["layout"], row["accumulation"]))
+        key = (row["layout"], row["accumulation"])
+        ref = base.get(key)
         ok = row["ok"] and ref is not None
         row["time_vs_ds_zero3"] = ratio(row["median_step_s"], ref["median_step_s"]) if ok else None
         row["bytes_vs_ds_zero3"] = ratio(row["iface_bytes_per_step"], ref["iface_bytes_per_step"]) if ok else None
+        best = fastest.get(key)
+        row["best_peer"] = best["config"] if best else None
+        row["speedup_vs_best_peer"] = ratio(best["median_step_s"], row["median_step_s"]) if row["ok"] and best else None
 
 
 def progress_line(row: dict) -> str:
@@ -117,6 +151,8 @@ def progress_line(row: dict) -> str:
     if not row["ok"]:
         return f"{name}: FAILED ({row['launch_s']:.0f} s): {row['error']}"
     vs = f", {row['time_vs_ds_zero3']:.2f}x DS ZeRO-3's time" if row.get("time_vs_ds_zero3") else ""
+    if row.get("speedup_vs_best_peer"):
+        vs += f", {row['speedup_vs_best_peer']:.2f}x the best peer's speed ({row['best_peer']})"
     iface = row["iface_bytes_per_step"]
     return (f"{name}: median step {row['median_step_s']:.3f} s{vs}, loss {row['final_loss']:.4f}, "
             f"{fmt_mb(iface)} MB/step inter-node, peak {row['peak_rss_mb']:.0f} MB/rank ({row['launch_s']:.0f} s)")
@@ -166,15 +202,46 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
+THREE_TIER_COLUMNS = ("configuration", "overlap", "median step (s)", "speed / best peer", "time / DS ZeRO-3",
+                      "loss after K", "inter-node MB/step", "expected", "in-node MB/step", "pair MB/step",
+                      "interfaces / ledger (pair, in-node, inter-node)", "peak RSS MB/rank")
+
+
+def three_tier_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        overlap = r.get("overlap") if r.get("overlap") not in (None, "default") else "-"
+        label = r["label"] + (" *" if r.get("best") else "")
+        if not r["ok"]:
+            out.append([label, overlap, f"failed: {r['error']}"] + [""] * (len(THREE_TIER_COLUMNS) - 3))
+            continue
+        tiers = r.get("iface_tier_bytes_per_step") or {}
+        vs = r.get("iface_over_ledger_by_tier")
+        out.append([label, overlap, f"{r['median_step_s']:.3f}", fmt(r.get("speedup_vs_best_peer"), ".2f"),
+                    fmt(r.get("time_vs_ds_zero3"), ".2f"), f"{r['final_loss']:.4f}", fmt_mb(r["iface_bytes_per_step"]),
+                    fmt_mb(r.get("expected_inter_node_bytes_per_step") if r["peer"] != "ours"
+                           else r.get("ledger_bytes_per_step")),
+                    fmt_mb(tiers.get("intra_node")), fmt_mb(tiers.get("intra_gpu")),
+                    "-" if not vs else ", ".join(fmt(vs[t], ".2f") for t in TIERS), f"{r['peak_rss_mb']:.0f}"])
+    return out
+
+
 def markdown(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
-    lines = [f"Rate {meta['rate']} per node link; {meta['steps']} timed steps after {meta['warmup']} warmup; "
-             f"loss after K = {meta['steps'] + meta['warmup']} steps."]
+    gpu_rate = f", {meta['gpu_rate']} per GPU link on three tiers" if meta.get("gpu_rate") else ""
+    lines = [f"Rate {meta['rate']} per node link{gpu_rate}; {meta['steps']} timed steps after {meta['warmup']} "
+             f"warmup; loss after K = {meta['steps'] + meta['warmup']} steps."]
     for layout, accumulation in groups(rows):
+        group = [r for r in rows if (r["layout"], r["accumulation"]) == (layout, accumulation)]
+        if any(r.get("three_tier") for r in group):
+            lines += ["", f"**{layout} (three tiers), accumulation {accumulation}** (* a peer as an expert runs it; "
+                      "expected: the bytes its algorithm should send across nodes, the ledger's for ours)", "",
+                      "| " + " | ".join(THREE_TIER_COLUMNS) + " |", "|" + "---|" * len(THREE_TIER_COLUMNS)]
+            lines += ["| " + " | ".join(cells) + " |" for cells in three_tier_rows(group)]
+            continue
         lines += ["", f"**{layout}, accumulation {accumulation}**", "",
                   "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(
-            [r for r in rows if (r["layout"], r["accumulation"]) == (layout, accumulation)])]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(group)]
     profiled = [r for r in rows if r.get("ok") and r.get("profiled")]
     if profiled:
         lines += ["", "One more step per rank under the profiler (--breakdown), s: mean over ranks (largest)", "",
@@ -187,12 +254,35 @@ def markdown(results: dict) -> str:
             cells += [f"{p[k]['mean']:.3f} ({p[k]['max']:.3f})" for k in ("step_s", "compute_s", "exposed_comm_s")]
             cells.append(fmt(ratio(100 * p["exposed_comm_s"]["mean"], p["step_s"]["mean"]), ".0f") + "%")
             lines.append("| " + " | ".join(cells) + " |")
+    verdicts = goals_three_tier(rows)
+    if verdicts:
+        lines += ["", f"Goals (accumulation {GOAL_ACCUMULATION} on {THREE_TIER_GOAL_LAYOUT}, against the fastest peer row):", ""]
+        lines += [f"- {v['row']}: {v['goal']}: measured {v['measured']} -> {'met' if v['met'] else 'NOT met'}"
+                  for v in verdicts]
     verdicts = goals(rows)
     if verdicts:
         lines += ["", f"Goals (accumulation {GOAL_ACCUMULATION} on {GOAL_LAYOUT}):", ""]
         lines += [f"- {v['row']}: {v['goal']}: measured {v['measured']} -> {'met' if v['met'] else 'NOT met'}"
                   for v in verdicts]
     return "\n".join(lines)
+
+
+THREE_TIER_GOAL_LAYOUT = "2x2x2"
+THREE_TIER_GOALS = {"ours_zero_topo": 1.3, "ours_zero_topo_q": 2.0}  # speed-up over the fastest peer (issue 41)
+
+
+def goals_three_tier(rows: list[dict]) -> list[dict]:
+    """Issue 41's speed goals on the three-tier cluster at accumulation 4: zero_topo >= 1.3x and zero_topo
+    INT8/INT4 >= 2x the fastest peer configuration (default or best) of the same run."""
+    out = []
+    for r in rows:
+        want = THREE_TIER_GOALS.get(r["config"])
+        if (want is None or not r["ok"] or r.get("speedup_vs_best_peer") is None
+                or (r["layout"], r["accumulation"]) != (THREE_TIER_GOAL_LAYOUT, GOAL_ACCUMULATION)):
+            continue
+        out.append({"row": r["label"] + overlap_tag(r), "goal": f"at least {want:g}x the fastest peer ({r['best_peer']})",
+                    "measured": f"{r['speedup_vs_best_peer']:.2f}x", "met": r["speedup_vs_best_peer"] >= want})
+    return out
 
 
 def goals(rows: list[dict]) -> list[dict]:

@@ -191,9 +191,12 @@ class OursTrainer:
 
 
 def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weights: bool = False,
-                     quantized_gradients: bool = False) -> dict:
+                     quantized_gradients: bool = False, mics: int = 0) -> dict:
     """ZeRO-3 as DeepSpeed 0.19.8 runs it by default, plus hpZ (``zero_hpz_partition_size``) and
-    qwZ / qgZ when asked: the ZeRO++ knobs."""
+    qwZ / qgZ when asked: the ZeRO++ knobs. ``mics`` > 0: MiCS with shards of that many ranks
+    (``mics_shard_size``) and its hierarchical gather (``mics_hierarchical_params_gather``); DeepSpeed
+    reduces gradients across the MiCS replicas only at the accumulation boundary. MiCS was removed in
+    0.19.7: it needs DeepSpeed 0.19.6 (compare_peers runs it from DEEPSPEED_MICS_DIR)."""
     opt = cfg.optimizer
     zero = {"stage": 3}
     if hpz > 1:
@@ -202,6 +205,9 @@ def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weig
         zero["zero_quantized_weights"] = True
     if quantized_gradients:
         zero["zero_quantized_gradients"] = True
+    if mics > 0:
+        zero["mics_shard_size"] = mics
+        zero["mics_hierarchical_params_gather"] = True
     return {
         "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_accumulation_steps": shape.accumulation,
@@ -221,13 +227,15 @@ def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weig
 class DeepSpeedTrainer:
     peer = "deepspeed"
 
-    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, **zero_plus_plus):
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, **zero_options):
         import deepspeed
         self.cfg, self.shape, self.rank = cfg, shape, rank
+        config = deepspeed_config(cfg, shape, **zero_options)
         model = build_model(cfg, shape)
+        if zero_options.get("mics", 0) > 0:  # MiCS partitions the model in its own Init context
+            deepspeed.zero.MiCS_Init(module=model, config_dict_or_path=config)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, config=deepspeed_config(cfg, shape, **zero_plus_plus),
-            model_parameters=adamw_param_groups(model, cfg.optimizer.weight_decay))
+            model=model, config=config, model_parameters=adamw_param_groups(model, cfg.optimizer.weight_decay))
         self.version = deepspeed.__version__
 
     def step(self, step: int) -> tuple[list[float], float]:
@@ -247,23 +255,40 @@ class DeepSpeedTrainer:
 
 
 class FSDP2Trainer:
+    """FSDP2 ``fully_shard`` on each unit, then the root. The mesh mirrors our sharding: ``os`` ranks
+    shard, N / os replicate (HSDP when > 1). The knobs an expert turns for gradient accumulation:
+
+    - ``reshard_after_forward``: True (the default: gather again in backward), False (keep the gathered
+      weights from forward to backward), or an int: reshard after forward to groups of that many ranks
+      (node-local when it is the node's rank count), so backward's gather stays inside them.
+    - ``defer``: what the micro-batches before the last skip. "none" (the default: every micro-batch
+      reduces fully); "all_reduce" (HSDP: reduce-scatter in the shard group every micro-batch, the
+      cross-replica all-reduce only on the last: ``set_requires_all_reduce``); "gradient" (no gradient
+      communication before the last micro-batch, unsharded gradients kept meanwhile:
+      ``set_requires_gradient_sync``).
+    """
     peer = "fsdp2"
 
-    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int):
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, reshard_after_forward=True, defer: str = "none"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        self.cfg, self.shape, self.rank = cfg, shape, rank
-        layout = ShardLayout.from_config(cfg)  # the mesh mirrors our sharding: os ranks shard, N/os replicate
+        if defer not in ("none", "all_reduce", "gradient"):
+            raise PeerError(f"defer {defer!r}: none, all_reduce or gradient")
+        self.cfg, self.shape, self.rank, self.defer = cfg, shape, rank, defer
+        layout = ShardLayout.from_config(cfg)
         shard = layout.factors.os
         replicas = layout.world_size // shard
         if replicas > 1:  # row-major: the shard groups are consecutive ranks, i.e. one node each
             self.mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
         else:
             self.mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
+        if defer == "all_reduce" and replicas == 1:
+            raise PeerError("defer all_reduce needs HSDP (a replicate dimension); use defer gradient")
+        self.reshard_after_forward = reshard_after_forward
         self.model = build_model(cfg, shape)
         for unit in self.model.units():  # the same units our engine shards, then the root
-            fully_shard(unit, mesh=self.mesh)
-        fully_shard(self.model, mesh=self.mesh)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(self.model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(adamw_param_groups(self.model, opt.weight_decay), lr=LR,
                                            betas=tuple(opt.betas), eps=opt.eps, foreach=False)
@@ -272,6 +297,11 @@ class FSDP2Trainer:
         accumulation = self.shape.accumulation
         local = []
         for m in range(accumulation):
+            last = m == accumulation - 1
+            if self.defer == "all_reduce":
+                self.model.set_requires_all_reduce(last)
+            elif self.defer == "gradient":
+                self.model.set_requires_gradient_sync(last)
             loss = lm_loss(self.model, micro_batch(self.cfg, self.shape, step, m, self.rank))
             (loss / accumulation).backward()
             local.append(loss.item())
@@ -281,7 +311,8 @@ class FSDP2Trainer:
         return local, norm
 
     def info(self) -> dict:
-        return {"mesh": list(self.mesh.shape)}
+        return {"mesh": list(self.mesh.shape), "reshard_after_forward": self.reshard_after_forward,
+                "defer": self.defer}
 
     def close(self) -> None:
         pass
@@ -291,8 +322,8 @@ TRAINERS = {"ours": OursTrainer, "deepspeed": DeepSpeedTrainer, "fsdp2": FSDP2Tr
 
 
 def make_trainer(peer: str, cfg: NeoXConfig, shape: Shape, rank: int, **options):
-    """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``; none for the others
-    (ours reads everything from ``cfg``)."""
+    """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``, ``mics``; FSDP2's
+    ``reshard_after_forward`` and ``defer``; none for ours (it reads everything from ``cfg``)."""
     return TRAINERS[peer](cfg, shape, rank, **options)
 
 
