@@ -55,8 +55,8 @@ from megatron.model.sizes import parameter_count
 TOOL = CHECKOUT / "tools" / "emulate_cluster.py"
 RANK_SCRIPT = CHECKOUT / "bench" / "compare_peers.py"  # the command line; with --rank-main it is one rank
 UNAVAILABLE = 69
-DEFAULT_OUT = CHECKOUT / "bench" / "results" / "compare_peers.json"
-DEFAULT_PNG = CHECKOUT / "bench" / "results" / "compare_peers.png"
+DEFAULT_OUT = CHECKOUT / "bench" / "results" / "compare_peers_three_tier.json"  # compare_peers.json: the two-tier history
+DEFAULT_PNG = CHECKOUT / "bench" / "results" / "compare_peers_three_tier.png"
 # Layouts: the name, the topology tiers our engine sees (slowest first). 2 x 4 is a Frontier-like
 # node of 2 GPUs x 2 GCDs, so zero_topo's weight tier is the pair: (2, 4, 8), as (2, 8, N) there.
 # 2x2x2 is the same ranks on the three-tier network (THREE_TIER: GPUs per node).
