@@ -183,10 +183,10 @@ def test_the_plan_runs_ds_zero3_first_and_overlap_twice_for_ours_only():
     default = [c.key for c, *_ in compare_peers.plan(args)]
     eight_only = [c.key for c in compare_peers.CONFIGS if c.layouts and "2x2" not in c.layouts]
     assert eight_only == ["ours_topo_148", "ours_topo_228", "ours_topo_288", "ours_topo_448"]
-    assert "ds_zeropp" not in default and len(default) == len(compare_peers.CONFIGS) - 1 - len(eight_only)
+    assert "ds_zeropp" not in default and len(default) == len(compare_peers.CONFIGS) - 2 - len(eight_only)
     args = compare_peers.parse_args(["--accumulation", "4", "--overlap", "on"])  # the default layout: 2x2x2
     assert {layout for _, layout, *_ in compare_peers.plan(args)} == {"2x2x2"}
-    assert len(compare_peers.plan(args)) == len(compare_peers.CONFIGS) - 1
+    assert len(compare_peers.plan(args)) == len(compare_peers.CONFIGS) - 2
 
 
 def test_shapes_share_the_global_batch():
@@ -356,7 +356,11 @@ def test_the_peers_best_options_and_the_three_tier_launch():
     assert by["fsdp2_hsdp_best"].trainer_options(shape) == {"reshard_after_forward": False, "defer": "all_reduce"}
     assert by["ds_mics"].trainer_options(shape)["mics"] == 4 and by["ds_hpz"].trainer_options(shape)["hpz"] == 4
     assert by["ds_zero3"].trainer_options(shape) == {"hpz": 1, "quantized_weights": False,
-                                                     "quantized_gradients": False, "mics": 0}
+                                                     "quantized_gradients": False, "mics": 0, "mics_hierarchical": True}
+    assert by["ds_mics_flat"].trainer_options(shape)["mics_hierarchical"] is False
+    zero = peers.deepspeed_config(peers.run_config(shape, "zero3"), shape,
+                                  **by["ds_mics"].trainer_options(shape))["zero_optimization"]
+    assert zero == {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": True}
     cfg = peers.run_config(shape, "zero_topo", by["ours_topo_148"].overrides)
     assert cfg.zero.resolved_factors == [1, 4, 8]
     args = compare_peers.parse_args(["--gpu-rate", "500mbit"])
@@ -372,3 +376,18 @@ def test_mics_without_its_deepspeed_is_a_one_line_row(monkeypatch, tmp_path):
     got = compare_peers.run_one(args, compare_peers.BY_KEY["ds_mics"], "2x2x2", 4, "default")
     assert not got["ok"] and "MiCS was removed from DeepSpeed in 0.19.7" in got["error"]
     assert "\n" not in got["error"]
+
+
+def test_a_failed_row_says_where_the_peer_met_the_error():
+    tb = ('Traceback (most recent call last):\n  File "/b/bench/compare_peers.py", line 9, in main\n'
+          '  File "/c/deepspeed-0.19.6/deepspeed/runtime/zero/mics.py", line 286, in _hierarchical_all_gather_params\n'
+          '  File "/v/site-packages/deepspeed/comm/torch.py", line 389, in all_gather_coalesced\n'
+          '  File "/p/lib/python3.11/contextlib.py", line 137, in __enter__\n'
+          '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 2876, in _coalescing_manager\n'
+          'RuntimeError: Backend gloo does not implement startCoalescing\n')
+    assert report.raised_at(tb) == "deepspeed/comm/torch.py:389 in all_gather_coalesced"
+    ranks = [{"ok": False, "rank": 0, "error": "RuntimeError: Backend gloo does not implement startCoalescing",
+              "traceback": tb}]
+    row = report.summarize_ranks(ranks, None, 1, steps=1, warmup=1, world_size=8)
+    assert row["error"] == ("rank 0: RuntimeError: Backend gloo does not implement startCoalescing "
+                            "(at deepspeed/comm/torch.py:389 in all_gather_coalesced)")

@@ -52,6 +52,8 @@ def summarize_ranks(ranks: list[dict], tool: Optional[dict], exit_code: int, ste
     if failed or len(ranks) != world_size or exit_code != 0:
         if failed:
             error = f"rank {failed[0]['rank']}: {failed[0]['error']}"
+            where = raised_at(failed[0].get("traceback", ""))
+            error += f" (at {where})" if where else ""
         else:
             missing = sorted(set(range(world_size)) - {r["rank"] for r in ranks})
             error = f"launch exited {exit_code}; no result from rank(s) {missing or 'none'}"
@@ -108,6 +110,22 @@ def tier_fields(by_rank: list[dict], steps: int, inter_node: Optional[float]) ->
         out["ledger_tier_bytes_per_step"] = ledger
         out["iface_over_ledger_by_tier"] = {t: ratio(iface[t], ledger[t]) for t in TIERS}
     return out
+
+
+def raised_at(traceback_text: str) -> Optional[str]:
+    """The innermost frame of a traceback outside torch and the standard library, as `pkg/file.py:LINE
+    in FUNC` from the package's folder down: where a peer's own code met the error (the evidence of a
+    row that cannot run)."""
+    import re
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text or "")
+    for path, line, func in reversed(frames):
+        if "/torch/" in path or "/lib/python3" in path and "site-packages" not in path:
+            continue
+        for package in ("deepspeed/", "megatron/", "bench/"):
+            if package in path:
+                return f"{package}{path.split(package, 1)[1]}:{line} in {func}"
+        return f"{path}:{line} in {func}"
+    return None
 
 
 def profiled_summary(breakdowns: list[Optional[dict]]) -> Optional[dict]:

@@ -191,10 +191,11 @@ class OursTrainer:
 
 
 def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weights: bool = False,
-                     quantized_gradients: bool = False, mics: int = 0) -> dict:
+                     quantized_gradients: bool = False, mics: int = 0, mics_hierarchical: bool = True) -> dict:
     """ZeRO-3 as DeepSpeed 0.19.8 runs it by default, plus hpZ (``zero_hpz_partition_size``) and
     qwZ / qgZ when asked: the ZeRO++ knobs. ``mics`` > 0: MiCS with shards of that many ranks
-    (``mics_shard_size``) and its hierarchical gather (``mics_hierarchical_params_gather``); DeepSpeed
+    (``mics_shard_size``) and, unless ``mics_hierarchical`` is false, its hierarchical gather
+    (``mics_hierarchical_params_gather``); DeepSpeed
     reduces gradients across the MiCS replicas only at the accumulation boundary. MiCS was removed in
     0.19.7: it needs DeepSpeed 0.19.6 (compare_peers runs it from DEEPSPEED_MICS_DIR)."""
     opt = cfg.optimizer
@@ -207,7 +208,7 @@ def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weig
         zero["zero_quantized_gradients"] = True
     if mics > 0:
         zero["mics_shard_size"] = mics
-        zero["mics_hierarchical_params_gather"] = True
+        zero["mics_hierarchical_params_gather"] = mics_hierarchical
     return {
         "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_accumulation_steps": shape.accumulation,
@@ -322,7 +323,8 @@ TRAINERS = {"ours": OursTrainer, "deepspeed": DeepSpeedTrainer, "fsdp2": FSDP2Tr
 
 
 def make_trainer(peer: str, cfg: NeoXConfig, shape: Shape, rank: int, **options):
-    """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``, ``mics``; FSDP2's
+    """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``, ``mics``,
+    ``mics_hierarchical``; FSDP2's
     ``reshard_after_forward`` and ``defer``; none for ours (it reads everything from ``cfg``)."""
     return TRAINERS[peer](cfg, shape, rank, **options)
 
