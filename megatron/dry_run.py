@@ -153,13 +153,24 @@ def _members(ranks: Sequence[int]) -> str:
     return "{" + ", ".join(map(str, ranks[:4])) + f", ..., {ranks[-1]}" + "}"
 
 
+def _shape(m) -> str:
+    """The block as built: heads (and K/V heads), norm, MLP kind and inner width, window."""
+    from megatron.config.model_shape import kv_heads, mlp_widths
+    heads = f"{m.num_attention_heads} heads"
+    if kv_heads(m) != m.num_attention_heads:
+        heads += f" ({kv_heads(m)} K/V heads)"
+    mlp = f"{m.activation} MLP {mlp_widths(m).inner}"
+    window = f", sliding window {m.sliding_window_width}" if m.sliding_window_width is not None else ""
+    return f"{m.num_layers} layers, hidden {m.hidden_size}, {heads}, {m.norm}, {mlp}{window}, seq {m.seq_length}"
+
+
 def _model_section(cfg: NeoXConfig, padded_vocab: Optional[int]) -> list[str]:
     from megatron.model.sizes import parameter_count
     from megatron.analytic.memory_model import predict_model_state_bytes
     from megatron.analytic.model_inputs import comm_spec_from_config
 
     m = cfg.model
-    shape = f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}"
+    shape = _shape(m)
     if padded_vocab is None:
         return [f"model: {shape}; vocabulary unknown (set vocab_size, or make vocab_file "
                 f"{cfg.tokenizer.vocab_file!r} readable here): no parameter count or memory"]
