@@ -19,6 +19,7 @@ from megatron.engine import fused_lm_loss, lm_loss
 from megatron.topology import ProcessGroups, Topology, validate_factors
 from megatron.engine import Communicator, EngineError, ZeroTopoEngine
 from megatron.logging.host_syncs import HostSyncs
+from megatron.config.quant_spec import QuantSpec
 from test_engine import LR, OPT, TRAIN_LR, build_model, make_batch, max_param_diff, reference_run
 
 STEPS, ACCUM = 3, 2
@@ -34,14 +35,15 @@ def _make_engine(rank: int, layout: list[int], run: dict, accum: int):
         from torch.utils.checkpoint import checkpoint
         gpt_neox.checkpoint = lambda fn, *args, **kw: checkpoint(fn, *args, **dict(kw, use_reentrant=True))
     model = build_model(checkpoint_activations=run.get("checkpoint_activations", False),
-                        recompute_granularity=run.get("recompute_granularity", "full"))
+                        recompute_granularity=run.get("recompute_granularity", "full"), **run.get("model", {}))
     topology = Topology.simulated(layout)
     layout = (ShardLayout.from_topology(topology, validate_factors(topology.world_size, *run["factors"]))
               if "factors" in run else ShardLayout.from_topology(topology, preset=run.get("preset")))
     groups = ProcessGroups(topology, layout, rank)
     comm = Communicator(groups)
     loss_fn = fused_lm_loss if run.get("fused_cross_entropy") else lm_loss
-    engine = ZeroTopoEngine(model, loss_fn, groups, comm, EngineSettings(optimizer=OPT, precision=run.get("precision", "fp32"), accumulation_steps=accum, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter")))
+    quant = QuantSpec(*run["quant"], impl="reference") if run.get("quant") else None  # (w, g, cross, refresh bits, block, EF)
+    engine = ZeroTopoEngine(model, loss_fn, groups, comm, EngineSettings(optimizer=OPT, precision=run.get("precision", "fp32"), accumulation_steps=accum, cross_node_reduction=run.get("cross_node_reduction", "reduce_scatter"), quant=quant))
     if run.get("compile"):  # training.compile: after the engine, which swaps the parameters for views
         from megatron.build import compile_blocks
         compile_blocks(model)
@@ -104,9 +106,11 @@ def _runs_worker(rank: int, world_size: int, layout: list[int], runs: list[dict]
     return results
 
 
-def _state_worker(rank: int, world_size: int, layout: list[int], preset: str) -> dict:
-    """Sharded state round trip, and loading full tensors into another layout (zero_topo -> stage3)."""
-    engine, comm = _make_engine(rank, layout, {"preset": preset}, 1)
+def _state_worker(rank: int, world_size: int, layout: list[int], preset: str, model: dict | None = None) -> dict:
+    """Sharded state round trip, and loading full tensors into another layout (zero_topo -> stage3).
+    ``model``: ModelConfig overrides of the tiny model (the Llama-shaped case)."""
+    model = model or {}
+    engine, comm = _make_engine(rank, layout, {"preset": preset, "model": model}, 1)
     _train(engine, comm, rank, world_size, 1, 1)
     states = [None] * world_size
     torch.distributed.all_gather_object(states, engine.checkpoint_state())
@@ -117,7 +121,7 @@ def _state_worker(rank: int, world_size: int, layout: list[int], preset: str) ->
     engine.load_full_state(saved)
     reloaded_equal = all(torch.equal(full[k], v) for k, v in engine.full_state_dict().items())
     # Another layout from full tensors (parameters only, fresh moments in both runs).
-    other, other_comm = _make_engine(rank, layout, {"preset": "stage3"}, 1)
+    other, other_comm = _make_engine(rank, layout, {"preset": "stage3", "model": model}, 1)
     other.load_full_state_dict(full)
     engine.load_full_state_dict(full)
     a = _train(engine, comm, rank, world_size, 1, 1)

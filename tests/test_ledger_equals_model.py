@@ -48,8 +48,9 @@ MODEL_FIELDS = dict(num_layers=2, hidden_size=12, num_attention_heads=2, seq_len
 LAYOUTS = {"eight": (2, 2, 2), "four": (2, 2)}
 
 
-def model_config(checkpoint_activations: bool = False) -> ModelConfig:
-    return ModelConfig(**MODEL_FIELDS, checkpoint_activations=checkpoint_activations)
+def model_config(checkpoint_activations: bool = False, **overrides) -> ModelConfig:
+    """The test's model; ``overrides`` reshape its block (the Llama-shaped cases, test_llama_presets.py)."""
+    return ModelConfig(**{**MODEL_FIELDS, **overrides}, checkpoint_activations=checkpoint_activations)
 
 
 # ------------------------------------------------------------------------------------------ the cases
@@ -187,7 +188,7 @@ def _run_case(rank: int, layout: list[int], case: dict, groups_by_factors: dict)
         groups_by_factors[layout] = ProcessGroups(topology, layout, rank)
     groups = groups_by_factors[layout]
     torch.manual_seed(SEED)
-    model = GPTNeoX(model_config(case["checkpoint"]), VOCAB)
+    model = GPTNeoX(model_config(case["checkpoint"], **case.get("model", {})), VOCAB)
     quant = None
     if case["quant"]:
         weight, grad, cross, refresh, block, feedback = case["quant"]
@@ -234,7 +235,7 @@ def launches(tmp_path_factory):
 
 def spec_for(layout_key: str, case: dict, window: int) -> CommSpec:
     """The model's description of window ``window`` (0: first step; 1: eval + second step)."""
-    units = unit_parameter_counts(model_config(), VOCAB)
+    units = unit_parameter_counts(model_config(**case.get("model", {})), VOCAB)
     quant = QuantSpec(*case["quant"]) if case["quant"] else QuantSpec()
     return CommSpec(units, ShardLayout.resolve(LAYOUTS[layout_key], preset=case["preset"], shard_factors=case["factors"]), quant=quant,
                     micro_batches=case["accum"], compute_bytes=2 if case["precision"] == "bfloat16" else 4,
