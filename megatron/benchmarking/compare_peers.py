@@ -427,7 +427,8 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict:
                         "steps": args.steps, "warmup": args.warmup, "model": {**MODELS[args.model],
                         "parameters": parameter_count(peers.run_config(shape, "zero3").model, shape.vocab)},
                         "global_micro_batch": GLOBAL_MICRO_BATCH, "machine": machine(), **versions(),
-                        "overlap_key": overlap_key_present(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+                        "overlap_key": overlap_key_present(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "load_average_start": list(os.getloadavg())},
                "rows": []}
     start = time.monotonic()
     for i, (config, layout, accumulation, overlap) in enumerate(runs, 1):
@@ -437,6 +438,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict:
         print(f"[{i}/{len(runs)}] {report.progress_line(row)}", flush=True)
         write_json(args.out, results)  # a long run interrupted still leaves what it measured
     results["meta"]["wall_s"] = round(time.monotonic() - start, 1)
+    results["meta"]["load_average_end"] = list(os.getloadavg())  # was the machine quiet? (1, 5, 15 min)
     return results
 
 

@@ -331,12 +331,20 @@ def goals(rows: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------- chart
 
 def bar_chart(results: dict, path: str | Path) -> None:
-    """Step time / DS ZeRO-3's per configuration, one cluster of bars per layout x accumulation."""
+    """Step time / DS ZeRO-3's per configuration, one cluster of bars per layout x accumulation; for a
+    three-tier run, step time / the fastest peer row's (issue 41's yardstick)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
+    three = any(r.get("three_tier") for r in rows)
+
+    def height(row):
+        if not three:
+            return row.get("time_vs_ds_zero3")
+        return 1 / row["speedup_vs_best_peer"] if row.get("speedup_vs_best_peer") else None
+
     series = []  # (config, overlap) in the order they ran
     for r in rows:
         key = (r["config"], r.get("overlap"))
@@ -351,18 +359,27 @@ def bar_chart(results: dict, path: str | Path) -> None:
         for j, (layout, accumulation) in enumerate(clusters):
             row = next((r for r in rows if (r["config"], r.get("overlap"), r["layout"], r["accumulation"])
                         == (config, overlap, layout, accumulation)), None)
-            if row is not None and row.get("time_vs_ds_zero3") is not None:
+            if row is not None and height(row) is not None:
                 xs.append(j + (i - (len(series) - 1) / 2) * width)
-                heights.append(row["time_vs_ds_zero3"])
+                heights.append(height(row))
         label = next(r["label"] for r in rows if r["config"] == config) + overlap_tag({"overlap": overlap})
         ax.bar(xs, heights, width=width, label=label, color=cmap(i % 20))
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.axhline(1 / GOAL_SPEEDUP, color="gray", linewidth=0.8, linestyle="--",
-               label=f"{GOAL_SPEEDUP:g}x faster than DS ZeRO-3")
+    if three:
+        for want, style in zip(sorted(set(THREE_TIER_GOALS.values())), ("--", ":")):
+            ax.axhline(1 / want, color="gray", linewidth=0.8, linestyle=style, label=f"{want:g}x faster than the best peer")
+    else:
+        ax.axhline(1 / GOAL_SPEEDUP, color="gray", linewidth=0.8, linestyle="--",
+                   label=f"{GOAL_SPEEDUP:g}x faster than DS ZeRO-3")
     ax.set_xticks(range(len(clusters)))
     ax.set_xticklabels([f"{layout}, accumulation {acc}" for layout, acc in clusters])
-    ax.set_ylabel("median step time / DeepSpeed ZeRO-3's (lower is faster)")
-    ax.set_title(f"Emulated 2-node cluster, {results['meta']['rate']} per node link")
+    if three:
+        ax.set_ylabel("median step time / the fastest peer configuration's (lower is faster)")
+        ax.set_title(f"Emulated 2 nodes x 2 GPUs x 2 ranks, {results['meta']['rate']} per node link, "
+                     f"{results['meta'].get('gpu_rate')} per GPU link")
+    else:
+        ax.set_ylabel("median step time / DeepSpeed ZeRO-3's (lower is faster)")
+        ax.set_title(f"Emulated 2-node cluster, {results['meta']['rate']} per node link")
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
