@@ -31,8 +31,9 @@ def test_every_shipped_config_loads_alone(name):
 
 @pytest.mark.parametrize("sim,world", [("sim-2x2x2.yml", 8), ("sim-2x2.yml", 4)])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_tiny_cpu_combines_with_each_layout_and_preset(sim, world, preset):
-    cfg = load("tiny-cpu.yml", sim, preset)
+@pytest.mark.parametrize("tiny", ["tiny-cpu.yml", "tiny-llama-cpu.yml"])
+def test_tiny_cpu_combines_with_each_layout_and_preset(tiny, sim, world, preset):
+    cfg = load(tiny, sim, preset)
     assert world_size_of(cfg) == world
     t = cfg.training
     assert t.train_batch_size == 32 and t.train_batch_size == t.train_micro_batch_size_per_gpu * t.gradient_accumulation_steps * world
@@ -48,6 +49,16 @@ def test_tiny_cpu_is_the_single_process_reference():
     assert world_size_of(cfg) == 1 and cfg.zero.resolved_factors == [1, 1, 1]
     text = (CONFIGS / "tiny-cpu.yml").read_text()
     assert "topology" not in text and "zero_optimization" not in text
+
+
+def test_tiny_llama_cpu_is_tiny_cpu_with_a_llama_block():
+    """Everything but the model keys is tiny-cpu.yml's, so the two runs compare block for block."""
+    llama, neox = load("tiny-llama-cpu.yml"), load("tiny-llama-cpu.yml".replace("-llama", ""))
+    m = llama.model
+    assert (m.norm, m.activation, m.num_kv_heads, m.gpt_j_residual, m.use_bias_in_attn_linear, m.use_bias_in_mlp) == \
+        ("rmsnorm", "swiglu", 2, False, False, False)
+    for group in ("optimizer", "lr_schedule", "training", "precision", "data", "tokenizer"):
+        assert getattr(llama, group) == getattr(neox, group), group
 
 
 def test_paper_zero_topo_preset_quantizes_all_but_the_cross_hop():
@@ -81,7 +92,8 @@ def test_paper_models_and_frontier():
     assert (ten.model.num_layers, ten.model.hidden_size, ten.model.num_attention_heads) == (36, 4608, 36)
 
 
-@pytest.mark.parametrize("name", ["10B.yml", "20B.yml", "local_setup.yml", "tiny-cpu.yml"] + PRESETS)
+@pytest.mark.parametrize("name", ["10B.yml", "20B.yml", "local_setup.yml", "tiny-cpu.yml", "tiny-llama-cpu.yml",
+                                  "llama2-7B.yml", "mistral-7B.yml"] + PRESETS)
 def test_only_frontier_and_sim_configs_carry_topology(name):
     assert "topology" not in (CONFIGS / name).read_text()
 
