@@ -391,3 +391,18 @@ def test_a_failed_row_says_where_the_peer_met_the_error():
     row = report.summarize_ranks(ranks, None, 1, steps=1, warmup=1, world_size=8)
     assert row["error"] == ("rank 0: RuntimeError: Backend gloo does not implement startCoalescing "
                             "(at deepspeed/comm/torch.py:389 in all_gather_coalesced)")
+
+
+def test_bf16_puts_every_side_in_its_16_bit_mode():
+    shape = compare_peers.bench_shape("tiny", "2x2x2", 4)
+    by = compare_peers.BY_KEY
+    assert by["ours_zero_topo"].dtype_overrides("bf16") == ["bf16.enabled=true", "fp32_allreduce=false"]
+    assert by["ours_zero_topo"].dtype_overrides("fp32") == [] and by["ds_zero3"].dtype_overrides("bf16") == []
+    assert by["fsdp2_hsdp_best"].trainer_options(shape, "bf16")["bf16"] is True
+    options = by["ds_zero3"].trainer_options(shape, "bf16")
+    assert peers.deepspeed_config(peers.run_config(shape, "zero3"), shape, **options)["bf16"] == {"enabled": True}
+    cfg = peers.run_config(shape, "zero_topo", by["ours_zero_topo"].dtype_overrides("bf16"))
+    assert cfg.precision.precision == "bfloat16" and cfg.precision.fp32_allreduce is False
+    assert compare_peers.expected_inter_node_bytes(by["fsdp2_hsdp_best"], shape, 1000, elem=2) == 4000
+    args = compare_peers.parse_args(["--dtype", "bf16"])
+    assert "--dtype bf16" in compare_peers.launch_command(args, by["ds_zero3"], "2x2x2", 4, "default", REPO)[-1]

@@ -98,15 +98,21 @@ class Config:
     def has_overlap(self) -> bool:   # overlap_comm is our engine's key; the peers run as they do
         return self.peer == "ours"
 
-    def trainer_options(self, shape: peers.Shape) -> dict:
+    def trainer_options(self, shape: peers.Shape, dtype: str = "fp32") -> dict:
+        half = {"bf16": True} if dtype == "bf16" else {}
         if self.peer == "deepspeed":
             return {"hpz": shape.ranks_per_node if self.hpz else 1, "quantized_weights": self.quantized,
                     "quantized_gradients": self.quantized, "mics": shape.ranks_per_node if self.mics else 0,
-                    "mics_hierarchical": self.mics != "flat"}
+                    "mics_hierarchical": self.mics != "flat", **half}
         if self.peer == "fsdp2":
             reshard = {"default": True, "keep": False, "node": shape.ranks_per_node}[self.reshard]
-            return {"reshard_after_forward": reshard, "defer": self.defer}
+            return {"reshard_after_forward": reshard, "defer": self.defer, **half}
         return {}
+
+    def dtype_overrides(self, dtype: str) -> list[str]:
+        """Ours in bf16: bf16 compute and every unquantized hop in bf16, the cross-node ones included
+        (fp32_allreduce false: 16-bit on the wire, as the peers' bf16 modes send)."""
+        return ["bf16.enabled=true", "fp32_allreduce=false"] if dtype == "bf16" and self.peer == "ours" else []
 
 
 QUANT = ("zero_optimization.zero_quantized_weights=true", "zero_optimization.zero_quantized_gradients=true")
@@ -261,7 +267,7 @@ def rank_main(args: argparse.Namespace) -> int:
     fields = json.loads(args.config)
     config = Config(**{**fields, "overrides": tuple(fields["overrides"]), "layouts": tuple(fields.get("layouts", ()))})
     shape = bench_shape(args.model, args.layouts[0], args.accumulation[0])
-    overrides = list(config.overrides)
+    overrides = list(config.overrides) + config.dtype_overrides(args.dtype)
     if config.has_overlap and args.overlap in ("on", "off"):
         overrides.append(f"zero_optimization.overlap_comm={'true' if args.overlap == 'on' else 'false'}")
     code = 0
@@ -270,7 +276,7 @@ def rank_main(args: argparse.Namespace) -> int:
                                 timeout=timedelta(seconds=peers.PG_TIMEOUT_S))
         barrier = dist.barrier
         cfg = peers.run_config(shape, config.preset, overrides)
-        trainer = peers.make_trainer(config.peer, cfg, shape, rank, **config.trainer_options(shape))
+        trainer = peers.make_trainer(config.peer, cfg, shape, rank, **config.trainer_options(shape, args.dtype))
         warm_times, warm_losses, _ = timed_steps(trainer, 0, args.warmup, barrier)
         bookkeeping = bookkeeping_window(args.steps, barrier)
         barrier()
@@ -319,7 +325,7 @@ def launch_command(args: argparse.Namespace, config: Config, layout: str, accumu
     inner = [sys.executable, str(RANK_SCRIPT), "--rank-main", "--config", json.dumps(asdict(config)),
              "--layouts", layout, "--accumulation", str(accumulation),
              *(["--overlap", overlap] if overlap != "default" else []),
-             "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+             "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--dtype", args.dtype,
              *(["--breakdown"] if args.breakdown else []), "--workdir", str(workdir)]
     three = (["--gpus-per-node", str(THREE_TIER[layout]), "--gpu-rate", args.gpu_rate]
              if layout in THREE_TIER else [])
@@ -354,8 +360,9 @@ def run_one(args: argparse.Namespace, config: Config, layout: str, accumulation:
     tool = json.loads((workdir / "report.json").read_text()) if (workdir / "report.json").exists() else None
     shape = bench_shape(args.model, layout, accumulation)
     row.update(report.summarize_ranks(ranks, tool, code, args.steps, args.warmup, shape.world_size))
+    row["dtype"] = args.dtype
     row["expected_inter_node_bytes_per_step"] = expected_inter_node_bytes(config, shape, parameter_count(
-        peers.run_config(shape, config.preset).model, shape.vocab))
+        peers.run_config(shape, config.preset).model, shape.vocab), 2 if args.dtype == "bf16" else 4)
     if not row["ok"]:
         row["log"] = str(workdir / "launch.log")  # kept: the full tracebacks are in the rank files
         if not ranks:  # the network or the ranks' start failed: the tool's last line says why
@@ -381,16 +388,17 @@ def plan(args: argparse.Namespace) -> list[tuple[Config, str, int, str]]:
     return runs
 
 
-def expected_inter_node_bytes(config: Config, shape: peers.Shape, params: int) -> float | None:
-    """What a peer should send across nodes per optimizer step (all nodes, payload, fp32), where its
-    algorithm is plain: the HSDP-like rows' cross-replica all-reduce of the gradients. Each of the R
-    shard positions all-reduces its 4P/R bytes among the node count k of replicas: 2(k-1)/k x 4P/R per
-    rank, all of it cross-node, k ranks per position: 8P(k-1) in all, once per micro-batch by default,
+def expected_inter_node_bytes(config: Config, shape: peers.Shape, params: int, elem: int = 4) -> float | None:
+    """What a peer should send across nodes per optimizer step (all nodes, payload, gradients of ``elem``
+    bytes), where its algorithm is plain: the HSDP-like rows' cross-replica all-reduce of the gradients.
+    Each of the R shard positions all-reduces its 4P/R bytes (fp32) among the node count k of replicas:
+    2(k-1)/k x 4P/R per rank, all of it cross-node, k ranks per position: 8P(k-1) in all (half in bf16),
+    once per micro-batch by default,
     once per step when deferred (FSDP2 all_reduce or gradient, MiCS at the boundary). None where gloo's
     own algorithms decide (its reduce-scatter is an all-reduce; docs/emulated_cluster.md) or the row is ours
     (the ledger says it)."""
     k = shape.nodes
-    replica_all_reduce = 8 * params * (k - 1)
+    replica_all_reduce = 2 * elem * params * (k - 1)
     if config.peer == "fsdp2" and config.preset == "hsdp":
         return replica_all_reduce * (1 if config.defer != "none" else shape.accumulation)
     if config.mics:
@@ -424,7 +432,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict:
     shape = bench_shape(args.model, "2x2", 1)
     results = {"meta": {"command": "bench/compare_peers.py " + shlex.join(argv), "rate": args.rate,
                         "gpu_rate": args.gpu_rate, "three_tier_layouts": THREE_TIER,
-                        "steps": args.steps, "warmup": args.warmup, "model": {**MODELS[args.model],
+                        "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup, "model": {**MODELS[args.model],
                         "parameters": parameter_count(peers.run_config(shape, "zero3").model, shape.vocab)},
                         "global_micro_batch": GLOBAL_MICRO_BATCH, "machine": machine(), **versions(),
                         "overlap_key": overlap_key_present(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -473,6 +481,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="three-tier layouts (2x2x2): each GPU's link in its node, per direction (default 640mbit)")
     p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
                    help="our zero_optimization.overlap_comm: on, off, or both (two rows per preset; default)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (default; the history's) or bf16: every side in its bf16 mode, 16-bit on the wire "
+                        "(DeepSpeed bf16, FSDP2 MixedPrecisionPolicy bf16/bf16, ours bf16 with fp32_allreduce false)")
     p.add_argument("--model", choices=tuple(MODELS), default="bench",
                    help="bench: 4 layers, hidden 256, seq 128, vocab 2048 (default); tiny: the parity model")
     p.add_argument("--out", default=str(DEFAULT_OUT),

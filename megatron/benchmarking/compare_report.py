@@ -247,7 +247,8 @@ def three_tier_rows(rows: list[dict]) -> list[list[str]]:
 def markdown(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     gpu_rate = f", {meta['gpu_rate']} per GPU link on three tiers" if meta.get("gpu_rate") else ""
-    lines = [f"Rate {meta['rate']} per node link{gpu_rate}; {meta['steps']} timed steps after {meta['warmup']} "
+    dtype = f"; {meta['dtype']}" if meta.get("dtype") else ""  # the two-tier history did not record it (fp32)
+    lines = [f"Rate {meta['rate']} per node link{gpu_rate}{dtype}; {meta['steps']} timed steps after {meta['warmup']} "
              f"warmup; loss after K = {meta['steps'] + meta['warmup']} steps."]
     for layout, accumulation in groups(rows):
         group = [r for r in rows if (r["layout"], r["accumulation"]) == (layout, accumulation)]

@@ -191,13 +191,15 @@ class OursTrainer:
 
 
 def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weights: bool = False,
-                     quantized_gradients: bool = False, mics: int = 0, mics_hierarchical: bool = True) -> dict:
+                     quantized_gradients: bool = False, mics: int = 0, mics_hierarchical: bool = True,
+                     bf16: bool = False) -> dict:
     """ZeRO-3 as DeepSpeed 0.19.8 runs it by default, plus hpZ (``zero_hpz_partition_size``) and
     qwZ / qgZ when asked: the ZeRO++ knobs. ``mics`` > 0: MiCS with shards of that many ranks
     (``mics_shard_size``) and, unless ``mics_hierarchical`` is false, its hierarchical gather
     (``mics_hierarchical_params_gather``); DeepSpeed
     reduces gradients across the MiCS replicas only at the accumulation boundary. MiCS was removed in
-    0.19.7: it needs DeepSpeed 0.19.6 (compare_peers runs it from DEEPSPEED_MICS_DIR)."""
+    0.19.7: it needs DeepSpeed 0.19.6 (compare_peers runs it from DEEPSPEED_MICS_DIR). ``bf16``: DeepSpeed's
+    bf16 mode (bf16 weights and compute, fp32 master weights and optimizer; gradients reduced in bf16)."""
     opt = cfg.optimizer
     zero = {"stage": 3}
     if hpz > 1:
@@ -219,7 +221,7 @@ def deepspeed_config(cfg: NeoXConfig, shape: Shape, hpz: int = 1, quantized_weig
                                                   "weight_decay": opt.weight_decay, "torch_adam": True}},
         "gradient_clipping": opt.gradient_clipping,
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 10_000,
         "wall_clock_breakdown": False,
     }
@@ -270,9 +272,10 @@ class FSDP2Trainer:
     """
     peer = "fsdp2"
 
-    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, reshard_after_forward=True, defer: str = "none"):
+    def __init__(self, cfg: NeoXConfig, shape: Shape, rank: int, reshard_after_forward=True, defer: str = "none",
+                 bf16: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         if defer not in ("none", "all_reduce", "gradient"):
             raise PeerError(f"defer {defer!r}: none, all_reduce or gradient")
         self.cfg, self.shape, self.rank, self.defer = cfg, shape, rank, defer
@@ -286,10 +289,12 @@ class FSDP2Trainer:
         if defer == "all_reduce" and replicas == 1:
             raise PeerError("defer all_reduce needs HSDP (a replicate dimension); use defer gradient")
         self.reshard_after_forward = reshard_after_forward
+        # bf16: weights gathered and gradients reduced in bf16 (half the bytes), fp32 sharded master weights
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
         self.model = build_model(cfg, shape)
         for unit in self.model.units():  # the same units our engine shards, then the root
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(self.model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(self.model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(adamw_param_groups(self.model, opt.weight_decay), lr=LR,
                                            betas=tuple(opt.betas), eps=opt.eps, foreach=False)
@@ -324,7 +329,7 @@ TRAINERS = {"ours": OursTrainer, "deepspeed": DeepSpeedTrainer, "fsdp2": FSDP2Tr
 
 def make_trainer(peer: str, cfg: NeoXConfig, shape: Shape, rank: int, **options):
     """``options``: DeepSpeed's ``hpz``, ``quantized_weights``, ``quantized_gradients``, ``mics``,
-    ``mics_hierarchical``; FSDP2's
+    ``mics_hierarchical``, ``bf16``; FSDP2's ``bf16``,
     ``reshard_after_forward`` and ``defer``; none for ours (it reads everything from ``cfg``)."""
     return TRAINERS[peer](cfg, shape, rank, **options)
 
