@@ -154,7 +154,7 @@ BY_KEY = {c.key: c for c in CONFIGS}
 # backend."), with qgZ alone the first gradient reduction does. It runs only when asked for (--only).
 # MiCS (DeepSpeed 0.19.6) gathers weights with all_gather_coalesced under torch's coalescing manager,
 # which gloo lacks: "RuntimeError: Backend gloo does not implement startCoalescing" (mics.py:286 with the
-# hierarchical gather; the flat one, mics.py:235, calls the same). ds_mics stays in the matrix, a row
+# hierarchical gather, mics.py:240 with the flat one: both measured 2026-12-07). ds_mics stays in the matrix, a row
 # with that error; ds_mics_flat runs only when asked for.
 NOT_BY_DEFAULT = ("ds_zeropp", "ds_mics_flat")
 
