@@ -162,11 +162,12 @@ def test_nothing_left_after_a_run_a_failed_run_and_an_interrupt(network):
     assert _left(prefix) == []
 
 
-def test_cleanup_removes_what_a_killed_run_left(network):
+@pytest.mark.parametrize("tiers", [[], ["--gpus-per-node", "2", "--ranks-per-node", "2"]], ids=["two", "three"])
+def test_cleanup_removes_what_a_killed_run_left(network, tiers):
     prefix = _prefix()
-    proc = subprocess.Popen([sys.executable, str(TOOL), "--prefix", prefix, "--nodes", "2", "--command", "sleep 60"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_network(prefix)
+    proc = subprocess.Popen([sys.executable, str(TOOL), "--prefix", prefix, "--nodes", "2", *tiers,
+                             "--command", "sleep 60"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_network(prefix, "-node1gpu1" if tiers else "-node1")
     time.sleep(0.5)  # the ranks are started
     proc.kill()
     proc.wait()
@@ -176,10 +177,10 @@ def test_cleanup_removes_what_a_killed_run_left(network):
     assert _left(prefix) == []
 
 
-def _wait_for_network(prefix: str, timeout_s: float = 30) -> None:
+def _wait_for_network(prefix: str, last: str = "-node1", timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any("-node1" in line for line in _left(prefix)):
+        if any(last in line for line in _left(prefix)):
             return
         time.sleep(0.1)
     raise AssertionError(f"no namespace of {prefix} appeared")
