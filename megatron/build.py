@@ -91,7 +91,7 @@ def derive_vocab(cfg, tokenizer_vocab: int):
 def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
     """One process: every parameter from the HF folder, read one tensor at a time (as the sharded build)."""
     hf = HFWeights(folder)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied output is listed (and read) as HF's embedding
     check_shapes({k: list(v) for k, v in hf.shapes().items()}, {k: tuple(v.shape) for k, v in params.items()}, folder)
     for name, param in params.items():
         param.copy_(hf.tensor(name))
@@ -126,7 +126,7 @@ def unit_materializer(model: GPTNeoX, hf_folder: str | None = None):
     hf = HFWeights(hf_folder) if hf_folder else None
     if hf is not None:
         check_shapes({k: list(v) for k, v in hf.shapes().items()},
-                     {k: tuple(v.shape) for k, v in model.named_parameters()}, hf_folder)
+                     {k: tuple(v.shape) for k, v in model.named_parameters(remove_duplicate=False)}, hf_folder)
 
     @torch.no_grad()
     def materialize(index: int, unit: torch.nn.Module, keep: list[tuple[int, int]] | None = None):
@@ -201,7 +201,7 @@ def build_training(cfg) -> Run:
     tokenizer = build_tokenizer(cfg.tokenizer)
     cfg = derive_vocab(cfg, tokenizer.vocab_size)
     tcfg = cfg.training
-    global_batch = tcfg.train_micro_batch_size_per_gpu * tcfg.gradient_accumulation_steps * runtime.world_size
+    global_batch = tcfg.train_batch_size  # micro x accumulation x ranks, derived once by validation
     num_valid = tcfg.eval_iters * tcfg.train_micro_batch_size_per_gpu * runtime.world_size
     # The tokenizer's own size, not the padded one: an id it cannot produce means other data.
     train_data, valid_data, _ = build_datasets(cfg, tokenizer.vocab_size,

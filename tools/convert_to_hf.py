@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Export a NeoX-Topo checkpoint step (saved under any layout) as a Hugging Face GPTNeoXForCausalLM.
+"""Export a NeoX-Topo checkpoint step (saved under any layout) as a Hugging Face GPTNeoXForCausalLM, or,
+for a Llama-shaped model (norm rmsnorm, activation swiglu), LlamaForCausalLM / MistralForCausalLM
+(with a sliding window).
 
     python tools/convert_to_hf.py --input_dir checkpoints/tiny-cpu/global_step200 --output_dir hf/tiny
 
@@ -12,6 +14,7 @@ import sys
 import torch
 
 from megatron.checkpointing.rank_files import CheckpointError
+from megatron.checkpointing.hf import HFConversionError
 from megatron.checkpointing.hf_io import export_hf
 from megatron.config import ConfigError
 
@@ -26,7 +29,7 @@ def main(argv=None) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
         out = export_hf(args.input_dir, args.output_dir, dtype, progress=not args.no_progress)
-    except (CheckpointError, ConfigError) as err:
+    except (CheckpointError, ConfigError, HFConversionError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

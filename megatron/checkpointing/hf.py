@@ -48,6 +48,9 @@ class HFConversionError(ValueError):
     """A checkpoint or config that cannot be mapped between our model and Hugging Face's."""
 
 
+LLAMA_MODEL_TYPES = ("llama", "mistral")
+
+
 def require_gpt_neox_shape(model_cfg: ModelConfig) -> None:
     """GPTNeoXForCausalLM holds only NeoX-20B-shaped blocks; a Llama-family shape needs the Llama
     bridge (megatron/checkpointing/hf_llama.py maps the weights; its export is not built yet)."""
@@ -165,12 +168,16 @@ def hf_config_from_model_config(model_cfg: ModelConfig, vocab_size: int):
 
 
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
-    """Our ``ModelConfig`` for an HF GPT-NeoX config (a ``GPTNeoXConfig`` or its config.json dict).
+    """Our ``ModelConfig`` for an HF GPT-NeoX config (a ``GPTNeoXConfig`` or its config.json dict),
+    or a Llama / Mistral one (``hf_llama.model_config_from_llama``).
 
     Missing optional keys take HF's GPTNeoXConfig defaults; an architecture we do not implement
     (another activation, no attention bias, scaled rotary) is refused.
     """
     d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    if d.get("model_type") in LLAMA_MODEL_TYPES:
+        from megatron.checkpointing.hf_llama import model_config_from_llama
+        return model_config_from_llama(d)
     if d.get("model_type", "gpt_neox") != "gpt_neox":
         raise HFConversionError(f"HF config: model_type '{d['model_type']}' is not gpt_neox")
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

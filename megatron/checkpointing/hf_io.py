@@ -1,5 +1,7 @@
 """Hugging Face folders in and out: a checkpoint step of any layout <-> a `GPTNeoXForCausalLM` folder
-(config.json + model.safetensors, plus tokenizer.json when the run used a HF tokenizer)."""
+(config.json + model.safetensors, plus tokenizer.json when the run used a HF tokenizer); a
+Llama-shaped model exports to `LlamaForCausalLM` / `MistralForCausalLM` instead (hf_llama.py), with
+tokenizer.model when the run used a sentencepiece one."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from megatron.checkpointing.rank_files import CheckpointError, load_meta
 from megatron.checkpointing.hf import (hf_config_dict, model_config_from_hf, to_hf_state_dict,
                                        from_hf_state_dict)
+from megatron.checkpointing.hf_llama import HFLlamaError, llama_architecture, llama_config_dict, to_llama_state_dict
 from megatron.checkpointing.reader import read_master_weights
 from megatron.config import config_from_dict
 
@@ -28,11 +31,15 @@ def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype =
     cfg = config_from_dict(load_meta(step_dir)["config"])
     vocab = cfg.model.padded_vocab_size
     params = read_master_weights(step_dir, progress=progress)
-    hf_sd = {k: v.to(dtype).contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
+    llama = is_llama_shaped(cfg.model)
+    to_hf, config = ((to_llama_state_dict, llama_config_dict(cfg.model, vocab)) if llama
+                     else (to_hf_state_dict, hf_config_dict(cfg.model, vocab)))
+    hf_sd = {k: v.to(dtype).contiguous() for k, v in to_hf(params, cfg.model).items()}
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config_dict(cfg.model, vocab)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     tokenizer_file = cfg.tokenizer.vocab_file
+    if cfg.tokenizer.tokenizer_type == "SPMTokenizer" and tokenizer_file and Path(tokenizer_file).is_file():
+        shutil.copyfile(tokenizer_file, out / "tokenizer.model")  # as Llama and Mistral ship theirs
     if cfg.tokenizer.tokenizer_type == "HFTokenizer" and tokenizer_file:
         if Path(tokenizer_file).is_file():
             shutil.copyfile(tokenizer_file, out / "tokenizer.json")
@@ -42,6 +49,18 @@ def export_hf(step_dir: str | Path, output_dir: str | Path, dtype: torch.dtype =
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def is_llama_shaped(model_cfg) -> bool:
+    """RMSNorm and SwiGLU: a Llama/Mistral export (which refuses, in one line, what it cannot hold);
+    otherwise the GPTNeoX one (which refuses Llama-family parts)."""
+    if model_cfg.norm != "rmsnorm" and model_cfg.activation != "swiglu":
+        return False
+    try:
+        llama_architecture(model_cfg)
+    except HFLlamaError as err:
+        raise CheckpointError(f"cannot export to Hugging Face: {err}") from None
+    return True
 
 
 def _special_ids(tokenizer_json: Path) -> dict:

@@ -20,9 +20,9 @@ from that one table:
     final.embed_out.weight                lm_head.weight (untied models only)
 
 No rotary permutation: we and HF both rotate the two halves of each head ("rotate_half"). A
-piece-wise table (rather than whole tensors) is what an import that reads only a rank's slices
-needs: a slice of one of our parameters is a few row ranges of HF tensors. Export and that sliced
-import (``load_hf``) for these shapes are not built yet (issue 40); the parity tests use this table.
+piece-wise table (rather than whole tensors) is what the import that reads only a rank's slices
+needs (``load_hf``, megatron/checkpointing/hf_weights.py): a slice of one of our parameters is a few
+row ranges of HF tensors. The export (megatron/checkpointing/hf_io.py) writes whole tensors from it.
 transformers is imported only where a config object is built.
 """
 from __future__ import annotations
@@ -150,6 +150,43 @@ def llama_config_dict(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     else:
         d["attention_bias"], d["mlp_bias"] = cfg.use_bias_in_attn_linear, cfg.use_bias_in_mlp
     return d
+
+
+def model_config_from_llama(d: Mapping[str, Any]) -> ModelConfig:
+    """Our ``ModelConfig`` for a Llama/Mistral ``config.json`` dict: the inverse of
+    ``llama_config_dict`` (intermediate_size 3 x HF's, which GPT-NeoX's rule turns back into HF's
+    width with mlp_multiple_of 1; sliding_window W -> sliding_window_width W - 1). Refuses, in one
+    line, what our model does not build (another activation, scaled rotary, a head_dim that is not
+    hidden_size / heads)."""
+    def fail(msg: str):
+        raise HFLlamaError(f"HF config: {msg}")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "max_position_embeddings") if d.get(k) is None]
+    if missing:
+        fail(f"missing {', '.join(missing)}")
+    h, heads = d["hidden_size"], d["num_attention_heads"]
+    if d.get("head_dim") not in (None, h // heads) or h % heads:
+        fail(f"head_dim {d.get('head_dim')} is not hidden_size / num_attention_heads; our heads split the width")
+    if d.get("hidden_act", "silu") != "silu":
+        fail(f"hidden_act '{d['hidden_act']}' is not supported; only silu (SwiGLU)")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        fail(f"rope type '{rope.get('rope_type', rope.get('type'))}' is not supported")
+    base = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    kv = d.get("num_key_value_heads") or heads
+    mistral = d.get("model_type") == "mistral"
+    window = d.get("sliding_window") if mistral else None
+    return ModelConfig(
+        num_layers=d["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
+        num_kv_heads=None if kv == heads else kv,
+        seq_length=d["max_position_embeddings"], max_position_embeddings=d["max_position_embeddings"],
+        intermediate_size=3 * d["intermediate_size"], mlp_multiple_of=1, norm="rmsnorm",
+        rms_norm_epsilon=float(d.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        use_bias_in_attn_linear=bool(d.get("attention_bias", False)), use_bias_in_mlp=bool(d.get("mlp_bias", False)),
+        sliding_window_width=None if window is None else window - 1, rotary_pct=1.0,
+        rotary_emb_base=int(base) if float(base).is_integer() else base, gpt_j_residual=False,
+        no_weight_tying=not d.get("tie_word_embeddings", False), init_method_std=float(d.get("initializer_range", 0.02)),
+        attention_dropout=float(d.get("attention_dropout", 0.0)), padded_vocab_size=d["vocab_size"])
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int):

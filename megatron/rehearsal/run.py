@@ -93,7 +93,7 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
         raise RehearsalError("the config names no vocabulary size: set vocab_size (or a readable vocab_file)")
     tokenizer_vocab = cfg.tokenizer.vocab_size or vocab
     tcfg = cfg.training
-    global_batch = tcfg.train_micro_batch_size_per_gpu * tcfg.gradient_accumulation_steps * world
+    global_batch = tcfg.train_batch_size  # micro x accumulation x ranks, derived once by validation
     samples = (settings.steps + 2) * global_batch  # the first step, the timed ones, the counted one
     t = _clock()
     corpus = synthetic_corpus(work / "data" / f"synthetic_{tokenizer_vocab}", tokenizer_vocab,
