@@ -273,7 +273,7 @@ def test_smoke_two_configs_two_steps(network, tmp_path):
     needs_deepspeed()
     res = bench(tmp_path, "--only", "ds_zero3", "ours_zero_topo", "--layouts", "2x2", "--accumulation", "1",
                 "--steps", "2", "--warmup", "1", "--model", "tiny", "--overlap", "on")
-    assert res["meta"]["rate"] == "300mbit" and res["meta"]["model"]["parameters"] == 149_248
+    assert res["meta"]["rate"] == "640mbit" and res["meta"]["model"]["parameters"] == 149_248
     assert [(r["config"], r["overlap"]) for r in res["rows"]] == [("ds_zero3", None), ("ours_zero_topo", "on")]
     for r in res["rows"]:
         assert r["ok"], r["error"]
@@ -285,6 +285,32 @@ def test_smoke_two_configs_two_steps(network, tmp_path):
     assert ours["ledger_bytes_per_step"] > 0 and ours["iface_over_ledger"] > 1.0
     assert ours["info"]["factors"] == [2, 2, 4]
     assert (tmp_path / "c.png").exists()
+
+
+@pytest.mark.slow
+def test_three_tier_peers_at_their_best_train_alike_and_send_what_they_should(network, tmp_path):
+    """2 x 2 x 2 on three tiers, the tiny model, accumulation 4, 1 timed step: FSDP2 HSDP at its default
+    and with the cross-node reduction deferred (all-reduce or whole sync), fully_shard resharding to the
+    node, ours zero_topo. The same losses on every side; the HSDP rows send their expected cross-node
+    bytes (4 all-reduces, or 1) within headers; ours sends its ledger's bytes on every tier."""
+    res = bench(tmp_path, "--only", "fsdp2_node", "fsdp2_hsdp", "fsdp2_hsdp_best", "fsdp2_hsdp_nosync", "ours_zero_topo",
+                "--layouts", "2x2x2", "--accumulation", "4", "--steps", "1", "--warmup", "1", "--model", "tiny",
+                "--overlap", "on")
+    rows = {r["config"]: r for r in res["rows"]}
+    assert all(r["ok"] and r["three_tier"] for r in rows.values()), [r["error"] for r in rows.values()]
+    first = rows["fsdp2_hsdp"]["losses"]
+    for r in rows.values():
+        assert max(abs(x - y) for x, y in zip(r["losses"], first)) <= LOSS_TOL, r["config"]
+    for key, once in (("fsdp2_hsdp", False), ("fsdp2_hsdp_best", True), ("fsdp2_hsdp_nosync", True)):
+        r = rows[key]
+        assert r["expected_inter_node_bytes_per_step"] == 8 * 149_248 * (1 if once else 4)
+        assert 1.0 <= r["iface_bytes_per_step"] / r["expected_inter_node_bytes_per_step"] <= 1.15, key
+    assert rows["fsdp2_node"]["iface_bytes_per_step"] < rows["fsdp2_hsdp"]["iface_bytes_per_step"] * 2
+    ours = rows["ours_zero_topo"]
+    assert ours["info"]["factors"] == [2, 4, 8]
+    for tier, measured in ours["iface_over_ledger_by_tier"].items():
+        assert 1.0 <= measured <= 1.2, (tier, measured)  # headers and ACKs on a step of ~1 MB per tier
+    assert ours["speedup_vs_best_peer"] is not None
 
 
 # --- issue 41: three tiers, the peers at their best -----------------------------------------------------
