@@ -305,7 +305,8 @@ def test_three_tier_peers_at_their_best_train_alike_and_send_what_they_should(ne
         r = rows[key]
         assert r["expected_inter_node_bytes_per_step"] == 8 * 149_248 * (1 if once else 4)
         assert 1.0 <= r["iface_bytes_per_step"] / r["expected_inter_node_bytes_per_step"] <= 1.15, key
-    assert rows["fsdp2_node"]["iface_bytes_per_step"] < rows["fsdp2_hsdp"]["iface_bytes_per_step"] * 2
+    assert rows["fsdp2_node"]["info"] == {"mesh": [8], "reshard_after_forward": 4, "defer": "gradient"}
+    assert rows["fsdp2_hsdp_best"]["info"] == {"mesh": [2, 4], "reshard_after_forward": False, "defer": "all_reduce"}
     ours = rows["ours_zero_topo"]
     assert ours["info"]["factors"] == [2, 4, 8]
     for tier, measured in ours["iface_over_ledger_by_tier"].items():
