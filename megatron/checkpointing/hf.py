@@ -52,8 +52,8 @@ LLAMA_MODEL_TYPES = ("llama", "mistral")
 
 
 def require_gpt_neox_shape(model_cfg: ModelConfig) -> None:
-    """GPTNeoXForCausalLM holds only NeoX-20B-shaped blocks; a Llama-family shape needs the Llama
-    bridge (megatron/checkpointing/hf_llama.py maps the weights; its export is not built yet)."""
+    """GPTNeoXForCausalLM holds only NeoX-20B-shaped blocks; a Llama-family shape goes through the
+    Llama bridge (megatron/checkpointing/hf_llama.py)."""
     llama = [key for key, differs in (
         ("norm: rmsnorm", model_cfg.norm != "layernorm"), ("activation: swiglu", model_cfg.activation != "gelu"),
         ("num_kv_heads", kv_heads(model_cfg) != model_cfg.num_attention_heads),
@@ -61,8 +61,8 @@ def require_gpt_neox_shape(model_cfg: ModelConfig) -> None:
         ("use_bias_in_mlp: false", not model_cfg.use_bias_in_mlp),
         ("sliding_window_width", model_cfg.sliding_window_width is not None)) if differs]
     if llama:
-        raise HFConversionError(f"a model with {', '.join(llama)} is not a GPTNeoXForCausalLM; the Hugging Face "
-                                "export/import of Llama/Mistral shapes is not built yet (issue 40)")
+        raise HFConversionError(f"a model with {', '.join(llama)} is not a GPTNeoXForCausalLM, and without both "
+                                "norm rmsnorm and activation swiglu not a LlamaForCausalLM / MistralForCausalLM either")
 
 
 def name_pairs(model_cfg: ModelConfig) -> list[tuple[str, str]]:

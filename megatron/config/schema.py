@@ -177,9 +177,11 @@ class CheckpointConfig:
                                       "another folder) save into a `save` folder that already holds "
                                       "checkpoints: each step it saves replaces that step there, atomically. "
                                       "Without it such a run is refused at start-up.")
-    load_hf: Optional[str] = doc(None, "Initialise the model from a Hugging Face GPTNeoXForCausalLM folder "
-                                 "(config.json + safetensors, e.g. made by tools/convert_to_hf.py); "
-                                 "its shape must match the model keys.")
+    load_hf: Optional[str] = doc(None, "Initialise the model from a Hugging Face GPTNeoXForCausalLM, LlamaForCausalLM "
+                                 "or MistralForCausalLM folder (config.json + safetensors, e.g. made by "
+                                 "tools/convert_to_hf.py); its shape must match the model keys (a Llama's "
+                                 "intermediate_size I is ours 3 x I, its sliding_window W ours W - 1). Each rank "
+                                 "reads only its slices.")
 
 
 @dataclass
