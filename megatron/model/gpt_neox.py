@@ -162,10 +162,18 @@ class SelfAttention(nn.Module):
             past = kv.owner.length
             k, v = kv.extend(k, v)  # the cached positions, then these
         mask = visible_keys(past, seq, self.window, q.device)
+        grouped = self.num_kv_heads != self.num_heads
+        if grouped and mask is not None:
+            # SDPA's grouped-query path runs only its flash and math kernels on CUDA, and flash takes
+            # no mask: with one (a window, several cached queries) the K/V heads are copied out to
+            # one per query head, so the memory-efficient kernel runs instead of the [T, T] math one.
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            grouped = False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and past == 0 and seq > 1,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.num_kv_heads != self.num_heads)  # SDPA shares each K/V head, no copies
+            enable_gqa=grouped)  # SDPA shares each K/V head among its query heads, no copies
         return self.dense(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 

@@ -152,21 +152,24 @@ def backward_activation_bytes(model_cfg: ModelConfig, vocab_size: int, micro_bat
     (GELU: R; SwiGLU: silu(gate) and the product, 2 x inner): a block keeps (3h + Q + 2 (h + kv) + 2h
     + R + A) T, selective keeps (4h + Q + R) T and recomputes (4h + kv + A) T, and a block's backward
     starts with (h + R) T. RMSNorm adds its fp32 tensors (``_rms_norm_extra_bytes``) to what a block
-    keeps and recomputes.
+    keeps and recomputes; a sliding window with grouped-query attention adds K and V copied out to
+    every query head (2 Th).
     """
     h, layers = model_cfg.hidden_size, model_cfg.num_layers
     mlp, kv = mlp_widths(model_cfg), kv_heads(model_cfg) * head_dim(model_cfg)
     # After the wide projection: GELU's output (I), or SwiGLU's silu(gate) and product (2 x inner).
     activation = 2 * mlp.inner if gated(model_cfg) else mlp.in_rows
     tokens = micro_batch * model_cfg.seq_length
-    per_token = (3 * h + qkv_rows(model_cfg) + 2 * (h + kv) + 2 * h + mlp.in_rows + activation)
+    # A window with grouped-query attention copies K and V out to every query head (gpt_neox.py).
+    expanded = 2 * h if model_cfg.sliding_window_width is not None and kv < h else 0
+    per_token = (3 * h + qkv_rows(model_cfg) + 2 * (h + kv) + 2 * h + mlp.in_rows + activation + expanded)
     norms = _rms_norm_extra_bytes(model_cfg, tokens, elem_bytes)
     block = per_token * tokens * elem_bytes + norms
     head = head_activation_bytes(tokens, h, vocab_size, elem_bytes, fused_cross_entropy)
     grads = (h + mlp.in_rows) * tokens * elem_bytes  # a block's output and MLP-input gradients
     if model_cfg.checkpoint_activations and model_cfg.recompute_granularity == "selective":
         kept = (4 * h + qkv_rows(model_cfg) + mlp.in_rows) * tokens * elem_bytes
-        recomputed = (2 * h + (h + kv) + h + activation) * tokens * elem_bytes + norms
+        recomputed = (2 * h + (h + kv) + h + activation + expanded) * tokens * elem_bytes + norms
     elif model_cfg.checkpoint_activations:
         kept, recomputed = tokens * h * elem_bytes, block
     else:
