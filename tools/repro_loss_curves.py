@@ -55,10 +55,12 @@ POLL_S = 2.0  # how often the progress reads the running run's metrics.jsonl
 
 @dataclass(frozen=True)
 class Run:
-    """One run of the recipe: a preset file (with its quantization) and a seed."""
+    """One run of the recipe: a preset file (with its quantization) and a seed; ``model_sets``:
+    --set overrides of the recipe's model keys (another block shape)."""
     name: str
     preset_config: str
     seed: int
+    model_sets: tuple = ()
 
 
 RUNS = (
@@ -81,8 +83,29 @@ STUDIES = {"beyond_int4": tuple(
                          ("zero_topo_int8_int4_delta", "configs/repro/zero_topo_int8_int4_delta.yml"),
                          ("zero_topo_int8_int4_rotation", "configs/repro/zero_topo_int8_int4_rotation.yml"),
                          ("zero_topo_int8_int4_delta_rotation", "configs/repro/zero_topo_int8_int4_delta_rotation.yml")))}
+# Issue 40's study (--study llama): the recipe's model with a Llama block, ZeRO-3 against zero_topo
+# INT8/INT4 at two seeds each. Same width, depth, heads, data, optimizer and schedule; RMSNorm, SwiGLU
+# of inner width 1024 (3 x 384 x 1024 weights, about the 4h GELU MLP's 2 x 384 x 1536), 2 K/V heads
+# for the 4 query heads, no biases, whole heads rotated, sequential residual. (--set, since a key
+# may be written in one config file only.)
+LLAMA_BLOCK = ("norm=rmsnorm", "rms_norm_epsilon=1e-5", "activation=swiglu", "intermediate_size=3072",
+               "num_kv_heads=2", "use_bias_in_attn_linear=false", "use_bias_in_mlp=false", "rotary_pct=1",
+               "gpt_j_residual=false")
+STUDIES["llama"] = tuple(
+    Run(f"llama_{stem}_s{i}", config, seed, LLAMA_BLOCK)
+    for i, seed in ((1, 1234), (2, 4321))
+    for stem, config in (("zero3", "configs/zero3.yml"), ("zero_topo_int8_int4", "configs/repro/zero_topo_int8_int4.yml")))
 BASELINE = "zero3_s1"
 NOISE_RUNS = ("zero3_s1", "zero3_s2")
+
+
+def baseline_and_noise(names: Sequence[str]) -> tuple[Optional[str], tuple[str, ...]]:
+    """The ZeRO-3 runs among ``names`` (a study's prefixed ones too): the baseline and the noise pair."""
+    prefix = next((n[:-len(BASELINE)] for n in names if n.endswith(BASELINE)), None)
+    if prefix is None:
+        return None, ()
+    noise = tuple(prefix + n for n in NOISE_RUNS)
+    return prefix + BASELINE, noise if all(n in names for n in noise) else ()
 
 
 def run_settings(steps: int) -> list[str]:
@@ -94,7 +117,7 @@ def run_settings(steps: int) -> list[str]:
 
 def run_command(run: Run, folder: Path, steps: int, layout: str) -> list[str]:
     ckpt = folder / "checkpoints"
-    sets = run_settings(steps) + [f"seed={run.seed}", f"log_dir={folder}", f"save={ckpt}", f"load={ckpt}"]
+    sets = [*run.model_sets, *run_settings(steps), f"seed={run.seed}", f"log_dir={folder}", f"save={ckpt}", f"load={ckpt}"]
     return [sys.executable, "deepy.py", "train.py", MODEL, layout, run.preset_config,
             *[arg for s in sets for arg in ("--set", s)]]
 
@@ -170,10 +193,11 @@ def compare(root: Path, runs: Sequence[Run], steps: int, layout: str, publish: O
     cmd = [sys.executable, "tools/loss_curves.py", *[f"{name}={root / name}" for name in names],
            "--output", str(root / "loss_curves"), "--markdown", "--group-seeds",
            "--title", f"make repro: {MODEL}, {steps} steps per run, {Path(layout).stem}"]
-    if BASELINE in names:
-        cmd += ["--baseline", BASELINE]
-    if all(name in names for name in NOISE_RUNS):
-        cmd += ["--noise-runs", *NOISE_RUNS]
+    baseline, noise = baseline_and_noise(names)
+    if baseline is not None:
+        cmd += ["--baseline", baseline]
+    if noise:
+        cmd += ["--noise-runs", *noise]
     print("[repro] $ " + " ".join(cmd), flush=True)
     code = subprocess.run(cmd, cwd=REPO).returncode
     if code == 0 and publish is not None:
@@ -189,10 +213,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None,
                         help=f"optimizer steps per run (default: train_iters of {MODEL}, the full recipe)")
-    parser.add_argument("--runs", nargs="+", choices=sorted({run.name for run in RUNS + STUDIES["beyond_int4"]}),
+    parser.add_argument("--runs", nargs="+", choices=sorted({run.name for run in RUNS + sum(STUDIES.values(), ())}),
                         default=None, help="only these runs (default: all five, or the study's)")
     parser.add_argument("--study", choices=sorted(STUDIES), default=None,
-                        help="another set of runs: beyond_int4 (issue 28: ten runs, run with --steps 400)")
+                        help="another set of runs: beyond_int4 (issue 28: ten runs, run with --steps 400); llama "
+                             "(issue 40: four runs of the model with a Llama block)")
     parser.add_argument("--layout", default=LAYOUT, help=f"simulated cluster (default {LAYOUT}; configs/sim-2x2.yml: 4 ranks)")
     parser.add_argument("--root", default=None, help=f"where the runs go (default {RUNS_ROOT}/<steps>steps)")
     parser.add_argument("--publish", default=None, type=Path,
