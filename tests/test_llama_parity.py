@@ -114,6 +114,10 @@ def test_kv_cache_generation_equals_the_full_forward(shape):
         full = model(x)
         steps = [model(x[:, :3], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(3, cfg.seq_length)]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+    chunked = KVCache.for_model(model, batch=2, max_len=cfg.seq_length)  # several new queries after a cache
+    with torch.no_grad():
+        parts = [model(x[:, a:b], cache=chunked) for a, b in ((0, 10), (10, 15), (15, cfg.seq_length))]
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() < 1e-5
 
 
 def test_neox_mlp_widths_by_hand():
