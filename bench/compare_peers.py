@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Speed side by side on an emulated two-tier cluster: our presets, DeepSpeed ZeRO-3 / hpZ and FSDP2
+"""Speed side by side on an emulated cluster (three tiers by default: 2 nodes x 2 GPUs x 2 ranks): our
+presets and layouts, DeepSpeed ZeRO-3 / hpZ / MiCS and FSDP2, each peer at its default and at its best
 (docs/benchmarks.md). The command line of megatron/benchmarking/compare_peers.py, and each of its
 ranks (with --rank-main).
 
-    .venv/bin/python bench/compare_peers.py                  # the whole matrix (as root)
+    .venv/bin/python bench/compare_peers.py --dtype bf16      # the whole matrix (as root)
     .venv/bin/python bench/compare_peers.py --only ds_zero3 ours_zero_topo --layouts 2x2 \\
         --accumulation 4 --steps 3 --warmup 1 --out /tmp/c.json --png /tmp/c.png --markdown
     .venv/bin/python bench/compare_peers.py --from-json bench/results/compare_peers.json --markdown
