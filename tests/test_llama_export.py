@@ -37,6 +37,7 @@ def converted(tmp_path_factory, tiny_corpus) -> dict:
     return dict(zip(SHAPES, run_together(*(lambda n=n: train_then_convert(n) for n in SHAPES))))
 
 
+@pytest.mark.slow  # two deepy trainings (~40 s); the mapping's own parity is tests/test_llama_parity.py
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_export_loads_offline_with_our_logits(converted, name):
     from megatron.checkpointing.folders import latest_step_dir

@@ -156,6 +156,7 @@ def test_dry_run_of_gpt_neox_llama2_7b_on_48_frontier_nodes():
     assert re.search(r"model states per device .*: [\d.]+ GB", out)
 
 
+@pytest.mark.slow  # a second deepy dry run (the planner's search): ~5 s, more on a loaded machine
 def test_dry_run_of_our_mistral_on_48_frontier_nodes():
     proc = _dry_run("configs/mistral-7B.yml")
     assert proc.returncode == 0, proc.stderr
