@@ -94,3 +94,22 @@ def test_bpe_training_is_deterministic_and_lossless(tmp_path):
     assert len(tokenizer.encode("The quick brown fox")) < len("The quick brown fox")  # merges were learned
     with pytest.raises(DataError, match="too small"):
         train_bpe_tokenizer([TINY_TEXT], vocab_size=100, output=str(tmp_path / "c.json"))
+
+
+def test_llama_style_tokenizer_json_ends_documents_with_its_eos(tmp_path):
+    """Llama and Mistral ship a tokenizer.json with <s>, </s> and no <|endoftext|>: </s> ends documents;
+    one with none of the candidates is refused in one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    for specials, want in ((["<unk>", "<s>", "</s>"], "</s>"), (["<unk>", "<s>"], None)):
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20,
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False))
+        path = tmp_path / f"tokenizer_{len(specials)}.json"
+        tok.save(str(path))
+        if want is None:
+            with pytest.raises(DataError, match=r"has none of <\|endoftext\|>, </s>") as error:
+                HFTokenizer(str(path))
+            assert "\n" not in str(error.value)
+        else:
+            assert HFTokenizer(str(path)).eod_id == tok.token_to_id(want) == 2

@@ -18,6 +18,7 @@ from typing import List, Optional, Protocol, Sequence
 from megatron.data.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
+EOD_CANDIDATES = (EOD_TOKEN, "</s>", "<|end_of_text|>")
 PAD_TOKEN = "<|padding|>"
 
 
@@ -56,9 +57,13 @@ class HFTokenizer:
         except Exception as error:  # the library raises a bare Exception for unreadable JSON
             raise DataError(f"cannot read {self.vocab_file} as a Hugging Face tokenizer.json: "
                             f"{str(error).splitlines()[0]}") from error
-        eod = self._tokenizer.token_to_id(EOD_TOKEN)
+        # NeoX's end of document, else the end of sequence of Llama / Mistral ("</s>") or Llama 3's
+        # tokenizer.json, as each ships it (the sentencepiece tokenizer falls back to its eos id alike).
+        found = [self._tokenizer.token_to_id(token) for token in EOD_CANDIDATES]
+        eod = next((i for i in found if i is not None), None)
         if eod is None:
-            raise DataError(f"{self.vocab_file} has no {EOD_TOKEN} token; NeoX data needs it as end of document")
+            raise DataError(f"{self.vocab_file} has none of {', '.join(EOD_CANDIDATES)}; NeoX data needs one "
+                            "as end of document")
         self._eod_id = int(eod)
         pad = self._tokenizer.token_to_id(PAD_TOKEN)
         self.pad_id = int(pad) if pad is not None else self._eod_id
