@@ -6,7 +6,9 @@
 
 ``--input`` takes comma-separated files, globs or folders: ``.jsonl`` (one JSON object per line, the
 ``--jsonl-keys`` fields are the documents) or ``.txt`` (the whole file is one document, or with
-``--txt-mode paragraph`` each blank-line-separated block is one). Empty documents are skipped.
+``--txt-mode paragraph`` each blank-line-separated block is one), each as it is or compressed:
+``.jsonl.zst`` (the Pile's shards) or ``.jsonl.gz``, decompressed as a stream into the same output
+bytes as the decompressed file. Empty documents are skipped.
 Progress goes to stderr: a bar with rate and ETA on a terminal, a plain line every 10% or 30 s when
 stderr is a file (batch jobs, CI); a summary line ends the run.
 """
@@ -23,7 +25,8 @@ from megatron.data.tokenizers import TOKENIZER_TYPES
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="Comma-separated .jsonl/.txt files, globs or folders.")
+    group.add_argument("--input", required=True,
+                       help="Comma-separated .jsonl/.txt files (or .jsonl.zst, .jsonl.gz, ...), globs or folders.")
     group.add_argument("--jsonl-keys", nargs="+", default=["text"], help="JSON keys to extract (default: text).")
     group.add_argument("--num-docs", type=int, default=None, help="Stop after this many documents.")
     group.add_argument("--txt-mode", choices=["file", "paragraph"], default="file",

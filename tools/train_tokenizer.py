@@ -5,7 +5,7 @@
     python tools/train_tokenizer.py --input notes.txt --tokenizer-type SPMTokenizer --vocab-size 1000 \
         --output data/spm.model
 
-Inputs are read as by tools/preprocess_data.py (.jsonl with --jsonl-keys, or .txt files). The BPE
+Inputs are read as by tools/preprocess_data.py (.jsonl with --jsonl-keys, or .txt; either also as .zst or .gz). The BPE
 tokenizer has ``<|endoftext|>`` (id 0) and ``<|padding|>`` (id 1); the sentencepiece model has
 ``<|endoftext|>`` as a user symbol and byte fallback.
 """
