@@ -93,8 +93,9 @@ CONFIG_MISTAKES = [
                  "--set zero_optimization.stage=3", id="bad-set"),
     pytest.param(None, ["--set", "num_layers=-1"], "deepy: error: num_layers: must be >= 1, got -1 (in --set)",
                  id="out-of-range"),
-    pytest.param(None, ["--set", "norm=rmsnorm"],
-                 "deepy: error: norm: 'rmsnorm' is not supported (in --set); use layernorm", id="unsupported-value"),
+    pytest.param(None, ["--set", "norm=scalenorm"],
+                 "deepy: error: norm: 'scalenorm' is not supported (in --set); use one of layernorm, rmsnorm",
+                 id="unsupported-value"),
     pytest.param(None, ["--set", "hidden_size=100", "--set", "num_attention_heads=3"],
                  "deepy: error: num_attention_heads: 3 heads do not divide hidden_size 100 (in --set); "
                  "pick a head count that divides hidden_size", id="heads-do-not-divide"),

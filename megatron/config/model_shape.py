@@ -113,6 +113,6 @@ def shape_problem(m: ModelConfig) -> Optional[ShapeProblem]:
             f"set intermediate_size to 3 x the SwiGLU width you want ({3 * widths.inner} gives {widths.inner}; "
             "Mistral-7B's 14336 is 43008)")
     if m.recompute_granularity == "selective" and not m.checkpoint_activations:
-        return ShapeProblem("recompute_granularity", "'selective' says what a checkpointed block recomputes: it "
-                            "needs checkpoint_activations: true", "turn checkpointing on or use 'full'")
+        return ShapeProblem("recompute_granularity", "'selective' says what a checkpointed block recomputes, and "
+                            "checkpoint_activations is off", "set checkpoint_activations: true")
     return None
