@@ -258,6 +258,7 @@ def test_ledger_inter_node_bytes_match_the_interfaces(network, tmp_path, tiny_co
     assert expected <= counted <= expected * OVERHEAD + SETUP_ALLOWANCE
 
 
+@pytest.mark.slow  # 2 x 12 s of training on the namespaces (the two-tier ledger test stays in the default suite)
 @pytest.mark.parametrize("preset", ["zero_topo", "zero3"])
 def test_three_tier_ledger_bytes_match_the_interfaces_per_tier(network, tmp_path, tiny_corpus, preset):
     """The two-tier test's run on 2 nodes x 2 GPUs x 2 ranks (configs/sim-2x2x2.yml), GPU links and node
