@@ -88,7 +88,7 @@ def test_selective_gradients_equal_no_checkpointing(dropout):
 
 
 def test_selective_needs_checkpointing():
-    with pytest.raises(ModelConfigError, match="needs checkpoint_activations: true"):
+    with pytest.raises(ModelConfigError, match="checkpoint_activations is off"):
         build(recompute_granularity="selective")
 
 
