@@ -36,6 +36,18 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str) -> None:
     raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-3000:]}")
 
 
+def _interrupt_at_step_2(argv: list[str]) -> tuple[int, str, str]:
+    """Start ``argv``, send one SIGINT once it logs step 2, and wait: (exit code, the rest of stdout, stderr)."""
+    proc = _start(argv)
+    try:
+        _wait_for_line(proc, "step 2/")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
 def _no_leftovers(folder: Path) -> Path:
     """The newest step `latest` leads to, every one of its rank files checked against its checksum."""
     step = latest_step_dir(folder)
@@ -48,14 +60,8 @@ def _no_leftovers(folder: Path) -> Path:
 def test_ctrl_c_saves_then_stops_the_ranks(tmp_path, tiny_corpus):
     folder = tmp_path / "ck"
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=5000, eval_iters=0, log_interval=1, save=str(folder))
-    proc = _start([sys.executable, str(REPO / "deepy.py"), "train.py", str(cfg)])
-    try:
-        _wait_for_line(proc, "step 2/")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == INTERRUPTED, err[-3000:]
+    code, _, err = _interrupt_at_step_2([sys.executable, str(REPO / "deepy.py"), "train.py", str(cfg)])
+    assert code == INTERRUPTED, err[-3000:]
     assert [line for line in err.splitlines() if not LAUNCH_LINE.match(line)] == ["deepy: interrupted; stopped all ranks"]
     assert load_meta(_no_leftovers(folder))["iteration"] >= 2  # the ranks saved the step they were at
 
@@ -104,14 +110,8 @@ def long_run_json(tmp_path, tiny_corpus) -> tuple[Path, Path]:
 def test_sigint_on_a_rank_saves_and_exits_like_sigterm(long_run_json):
     """train.py started by hand (or a Ctrl-C srun passes on to its tasks)."""
     config_json, folder = long_run_json
-    proc = _start([sys.executable, str(REPO / "train.py"), "--neox-config-json", str(config_json)])
-    try:
-        _wait_for_line(proc, "step 2/")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == STOPPED_SAVED, err[-3000:]
+    code, out, err = _interrupt_at_step_2([sys.executable, str(REPO / "train.py"), "--neox-config-json", str(config_json)])
+    assert code == STOPPED_SAVED, err[-3000:]
     assert "Traceback" not in err and "stop signal received" in out
     assert f"saved checkpoint {_no_leftovers(folder)}" in out
 
