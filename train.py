@@ -13,10 +13,16 @@ from megatron.launch.rank_guard import rank_name  # no torch: light enough to co
 
 
 def _interrupted(signum, frame) -> None:
-    """SIGINT outside the training loop (which saves first: training.StopRequest): one line, 130."""
+    """SIGINT outside the training loop (which saves first: training.StopRequest): one line, 130.
+
+    It leaves at once rather than raising: an exception thrown wherever the signal lands (inside an
+    import, a library's catch-all) was not reliably one line (seen under load: a traceback after
+    it). Nothing is lost: there is nothing to save, and a save-folder lock left behind is stale (its
+    pid is gone) and taken over by the next run."""
+    sys.stdout.flush()
     print(f"{rank_name(os.environ)}: interrupted (SIGINT) while not training: nothing to save; "
           f"exit code {128 + signum}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":  # before torch's imports (seconds): a Ctrl-C there is one line too
