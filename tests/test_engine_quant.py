@@ -30,7 +30,8 @@ from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.logging.host_syncs import HostSyncs
-from megatron.engine.quantized import (QuantizedCollectives, merge_messages, message_bytes, pack_messages, qgz_swizzle, unpack_messages)
+from megatron.engine.quantized import (Outbox, QuantizedCollectives, merge_messages, message_bytes, qgz_swizzle,
+                                      received_rows)
 from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
 
@@ -81,27 +82,30 @@ def test_settings_refusals():
     QuantSpec(weight_gather_bits=8, block_size=63)  # INT8 does not need an even block
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_messages_are_codes_then_scales(bits):
-    quantizer, block, k = ReferenceQuantizer(), 8, 3
+@pytest.mark.parametrize("bits, block", [(8, 8), (4, 8), (8, 3), (4, 2)])  # 3, 2: scales off 4-byte bounds
+def test_messages_are_codes_then_scales(bits, block):
+    """A chunk's message is its codes then its fp32 scales as raw bytes, checked byte by byte against
+    the reference's flat encoding; the kernels write into the messages (Outbox) and read them where
+    they arrived (received_rows), and the odd layouts whose scales cannot be viewed in place give
+    the same bytes through copies."""
+    quantizer, k = ReferenceQuantizer(), 3
     x = torch.randn(k * 2 * block, generator=torch.Generator().manual_seed(bits))
     codes, scales = quantizer.quantize(x, bits, block)
-    buf = pack_messages(codes, scales, k)
+    outbox = Outbox(k, x.numel(), bits, block, x.device)
+    quantizer.quantize(x, bits, block, out=outbox.rows)
+    buf = outbox.sealed()
     per = message_bytes(2 * block, bits, block)
-    assert buf.dtype == torch.uint8 and buf.numel() == k * per == k * (2 * block * bits // 8 + 4 * 2)
-    # Message j: the codes of chunk j, then its two fp32 scales as raw bytes.
     ncodes = 2 * block * bits // 8
-    j = 1
-    assert torch.equal(buf[j * per: j * per + ncodes], codes.view(torch.uint8)[j * ncodes:(j + 1) * ncodes])
-    assert torch.equal(buf[j * per + ncodes:(j + 1) * per].clone().view(torch.float32), scales[2 * j: 2 * j + 2])
-    back_codes, back_scales = unpack_messages(buf, k, 2 * block, bits, block)
-    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    assert buf.dtype == torch.uint8 and buf.numel() == k * per and per == ncodes + 4 * 2
+    for j in range(k):  # message j: the codes of chunk j, then its two fp32 scales
+        assert torch.equal(buf[j * per: j * per + ncodes], codes.view(torch.uint8)[j * ncodes:(j + 1) * ncodes])
+        assert torch.equal(buf[j * per + ncodes:(j + 1) * per].clone().view(torch.float32), scales[2 * j: 2 * j + 2])
+    back_codes, back_scales = received_rows(buf, k, bits, block)
+    assert torch.equal(back_codes.reshape(-1), codes) and torch.equal(back_scales.reshape(-1), scales)
     # Two of the k messages merged into one message of their chunks: same codes and scales.
     merged = merge_messages(buf, k, 1, 2, bits, block)
-    one_codes, one_scales = unpack_messages(merged, 1, 4 * block, bits, block)
-    tail = 2 * block * bits // 8
-    assert torch.equal(one_codes.view(torch.uint8), codes.view(torch.uint8)[tail:])
-    assert torch.equal(one_scales, scales[2:])
+    assert torch.equal(merged[:2 * ncodes], codes.view(torch.uint8)[ncodes:])
+    assert torch.equal(merged[2 * ncodes:].clone().view(torch.float32), scales[2:])
 
 
 def test_non_finite_values_travel_as_their_scale_and_nothing_waits_for_the_device():

@@ -230,12 +230,12 @@ def test_misuse_gives_a_clear_error(call, message):
 class _RoundHalfAway(ReferenceQuantizer):
     """A plausible wrong implementation: rounds ties away from zero."""
 
-    def _quantize(self, x, bits, block):
-        codes, scales = super()._quantize(x, bits, block)
-        blocks = x.float().view(-1, block) / scales[:, None]
+    def _quantize(self, x, bits, block, codes, scales):
+        super()._quantize(x, bits, block, codes, scales)
+        blocks = x.float().view(-1, block) / scales.reshape(-1)[:, None]
         away = (blocks.sign() * (blocks.abs() + 0.5).floor()).clamp(-qmax(bits), qmax(bits))
         away = away.to(torch.int8).view(-1)
-        return (away if bits == 8 else pack_int4(away)), scales
+        codes.copy_((away if bits == 8 else pack_int4(away)).view(codes.shape))
 
 
 def test_selfcheck_catches_a_wrong_implementation():
@@ -249,13 +249,12 @@ class _SanitisingReduce(ReferenceQuantizer):
     """A plausible wrong implementation: the fused reduction zeroes a NaN/inf sum before encoding,
     so an overflow would vanish in a hop instead of reaching the global norm."""
 
-    def _reduce_requantize(self, codes_k, scales_k, k, bits, block, residual):
-        codes, scales = super()._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
+    def _reduce_requantize(self, codes_k, scales_k, bits, block, residual, codes, scales):
+        super()._reduce_requantize(codes_k, scales_k, bits, block, residual, codes, scales)
         if torch.isfinite(scales).all():
-            return codes, scales
-        total = torch.nan_to_num(self._dequantize_sum(codes_k, scales_k, k, bits, block), nan=0.0, posinf=0.0,
-                                 neginf=0.0)
-        return self._quantize(total, bits, block)
+            return
+        total = torch.nan_to_num(self._sum(codes_k, scales_k, bits, block), nan=0.0, posinf=0.0, neginf=0.0)
+        self._quantize(total, bits, block, codes, scales)
 
 
 def test_selfcheck_catches_a_reduction_that_hides_an_overflow():

@@ -50,12 +50,10 @@ class _LateChunkBug(ReferenceQuantizer):
 
     name = "cpp"
 
-    def _reduce_requantize(self, codes_k, scales_k, k, bits, block, residual):
-        codes, scales = super()._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
-        if k > 8:
-            codes = codes.clone()
-            codes[1] ^= 1
-        return codes, scales
+    def _reduce_requantize(self, codes_k, scales_k, bits, block, residual, codes, scales):
+        super()._reduce_requantize(codes_k, scales_k, bits, block, residual, codes, scales)
+        if codes_k.shape[0] > 8:  # k chunks
+            codes[0, 1] ^= 1
 
 
 class _CompileError(ReferenceQuantizer):
@@ -63,7 +61,7 @@ class _CompileError(ReferenceQuantizer):
 
     name = "triton"
 
-    def _quantize(self, x, bits, block):
+    def _quantize(self, x, bits, block, codes, scales):
         raise RuntimeError("PassManager::run failed\n  at 12:4: while lowering tt.load\n  more context")
 
 

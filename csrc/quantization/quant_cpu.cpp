@@ -1,7 +1,7 @@
 // Block quantization CPU kernels: INT8 and packed INT4, one fp32 scale per block.
 //
 // Registered with TORCH_LIBRARY as torch.ops.neox_quant.{quantize, dequantize, reduce_requantize,
-// dequantize_sum, hadamard}; loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
+// dequantize_sum, hadamard}; encoded data in and out as rows (struct Rows); loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
 // documented in megatron/ops/quant/base.py; every result here must equal the torch reference
 // (megatron/ops/quant/reference.py) bit for bit, which is why the build must not use -ffast-math
 // (it would allow reciprocal division and reassociation) and uses -ffp-contract=off (a fused
@@ -127,127 +127,124 @@ void check_args(int64_t bits, int64_t block) {
   TORCH_CHECK(block >= 1 && (bits == 8 || block % 2 == 0), "neox_quant: bad block ", block);
 }
 
-void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t k, int64_t bits,
-                 int64_t block) {
+// Encoded blocks seen through rows: 2-D codes and scales, each row contiguous, rows at any stride
+// (k chunks back to back, or the codes and scales of k messages sharing one buffer). Block i of
+// the flat sequence is block i % per_row of row i / per_row.
+struct Rows {
+  uint8_t* codes;
+  int64_t code_stride;   // bytes between rows
+  float* scales;
+  int64_t scale_stride;  // floats between rows
+  int64_t rows, per_row, block_bytes;
+
+  uint8_t* codes_at(int64_t row, int64_t b) const { return codes + row * code_stride + b * block_bytes; }
+  float* scale_at(int64_t row, int64_t b) const { return scales + row * scale_stride + b; }
+  uint8_t* codes_of(int64_t i) const { return codes_at(i / per_row, i % per_row); }
+  float* scale_of(int64_t i) const { return scale_at(i / per_row, i % per_row); }
+  int64_t blocks() const { return rows * per_row; }
+};
+
+Rows rows_of(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block) {
   check_args(bits, block);
-  TORCH_CHECK(codes.dim() == 1 && codes.is_contiguous() && scales.dim() == 1 &&
-                  scales.is_contiguous(), "neox_quant: codes and scales must be contiguous 1-D");
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0),
+              "neox_quant: codes and scales must be 2-D with the same rows");
+  TORCH_CHECK((codes.stride(1) == 1 || codes.size(1) < 2) && (scales.stride(1) == 1 || scales.size(1) < 2),
+              "neox_quant: each row of codes and scales must be contiguous");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "neox_quant: wrong codes dtype");
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "neox_quant: scales must be float32");
-  TORCH_CHECK(k >= 1 && scales.numel() % k == 0, "neox_quant: bad k ", k);
-  const int64_t values = codes.numel() * (bits == 8 ? 1 : 2);
-  TORCH_CHECK(values == scales.numel() * block, "neox_quant: codes and scales disagree in size");
+  const int64_t block_bytes = bits == 8 ? block : block / 2;
+  TORCH_CHECK(codes.size(1) == scales.size(1) * block_bytes,
+              "neox_quant: codes and scales disagree in size");
+  return Rows{static_cast<uint8_t*>(codes.data_ptr()), codes.stride(0), scales.data_ptr<float>(),
+              scales.stride(0), codes.size(0), scales.size(1), block_bytes};
+}
+
+void check_flat(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() == numel, "neox_quant: ", what,
+              " must be contiguous 1-D of ", numel, " elements");
 }
 
 // Grain: enough blocks per task that a task touches at least ~64 KiB of input.
 int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, 16384 / block); }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t bits, int64_t block) {
-  check_args(bits, block);
-  TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "neox_quant: x must be contiguous 1-D");
-  TORCH_CHECK(x.numel() % block == 0, "neox_quant: numel not a multiple of block");
-  const int64_t n_blocks = x.numel() / block;
-  const int64_t block_bytes = bits == 8 ? block : block / 2;
-  at::Tensor codes = at::empty({n_blocks * block_bytes},
-                               x.options().dtype(bits == 8 ? at::kChar : at::kByte));
-  at::Tensor scales = at::empty({n_blocks}, x.options().dtype(at::kFloat));
-  uint8_t* codes_ptr = static_cast<uint8_t*>(codes.data_ptr());
-  float* scales_ptr = scales.data_ptr<float>();
+void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+              int64_t block) {
+  const Rows out = rows_of(codes, scales, bits, block);
+  check_flat(x, out.blocks() * block, "x");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "neox_quantize", [&] {
     const scalar_t* x_ptr = x.data_ptr<scalar_t>();
-    at::parallel_for(0, n_blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, out.blocks(), grain_blocks(block), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        scales_ptr[b] = encode_block(x_ptr + b * block, block, bits, codes_ptr + b * block_bytes);
+        *out.scale_of(b) = encode_block(x_ptr + b * block, block, bits, out.codes_of(b));
     });
   });
-  return {codes, scales};
 }
 
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
-                      int64_t block, at::ScalarType dtype) {
-  check_codes(codes, scales, 1, bits, block);
-  const int64_t n_blocks = scales.numel();
-  const int64_t block_bytes = bits == 8 ? block : block / 2;
-  at::Tensor out = at::empty({n_blocks * block}, scales.options().dtype(dtype));
-  const uint8_t* codes_ptr = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* scales_ptr = scales.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "neox_dequantize", [&] {
+void dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block,
+                const at::Tensor& out) {
+  const Rows in = rows_of(codes, scales, bits, block);
+  check_flat(out, in.blocks() * block, "out");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "neox_dequantize", [&] {
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n_blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, in.blocks(), grain_blocks(block), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        decode_block(codes_ptr + b * block_bytes, scales_ptr[b], block, bits, out_ptr + b * block);
+        decode_block(in.codes_of(b), *in.scale_of(b), block, bits, out_ptr + b * block);
     });
   });
-  return out;
 }
 
-// Sum of the k chunks of one block position into acc (fp32), chunk 0 first.
-void sum_chunks(const uint8_t* codes_ptr, const float* scales_ptr, int64_t k, int64_t n_blocks,
-                int64_t b, int64_t bits, int64_t block, float* acc) {
-  const int64_t block_bytes = bits == 8 ? block : block / 2;
+// Sum of block b of every row (chunk) into acc (fp32), row 0 first.
+void sum_chunks(const Rows& in, int64_t b, int64_t bits, int64_t block, float* acc) {
   std::fill(acc, acc + block, 0.0f);
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t chunk_block = j * n_blocks + b;
-    accumulate_block(codes_ptr + chunk_block * block_bytes, scales_ptr[chunk_block], block, bits,
-                     acc);
-  }
+  for (int64_t j = 0; j < in.rows; ++j)
+    accumulate_block(in.codes_at(j, b), *in.scale_at(j, b), block, bits, acc);
 }
 
-at::Tensor dequantize_sum(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t k,
-                          int64_t bits, int64_t block) {
-  check_codes(codes_k, scales_k, k, bits, block);
-  const int64_t n_blocks = scales_k.numel() / k;
-  at::Tensor out = at::empty({n_blocks * block}, scales_k.options());
-  const uint8_t* codes_ptr = static_cast<const uint8_t*>(codes_k.data_ptr());
-  const float* scales_ptr = scales_k.data_ptr<float>();
+void dequantize_sum(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
+                    int64_t block, const at::Tensor& out) {
+  const Rows in = rows_of(codes_k, scales_k, bits, block);
+  check_flat(out, in.per_row * block, "out");
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "neox_quant: out must be float32");
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, n_blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      sum_chunks(codes_ptr, scales_ptr, k, n_blocks, b, bits, block, out_ptr + b * block);
+  at::parallel_for(0, in.per_row, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) sum_chunks(in, b, bits, block, out_ptr + b * block);
   });
-  return out;
 }
 
-// Fused k-chunk reduction. With a residual (error feedback): quantize sum + residual, then store
-// in the residual what that quantization lost, block by block while the sums are in cache.
-std::tuple<at::Tensor, at::Tensor> reduce_requantize(const at::Tensor& codes_k,
-                                                     const at::Tensor& scales_k, int64_t k,
-                                                     int64_t bits, int64_t block,
-                                                     const std::optional<at::Tensor>& residual) {
-  check_codes(codes_k, scales_k, k, bits, block);
-  const int64_t n_blocks = scales_k.numel() / k;
-  const int64_t block_bytes = bits == 8 ? block : block / 2;
+// Fused k-chunk reduction into the rows (codes, scales). With a residual (error feedback): quantize
+// sum + residual, then store in the residual what that quantization lost, block by block while the
+// sums are in cache.
+void reduce_requantize(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
+                       int64_t block, const std::optional<at::Tensor>& residual,
+                       const at::Tensor& codes, const at::Tensor& scales) {
+  const Rows in = rows_of(codes_k, scales_k, bits, block);
+  const Rows out = rows_of(codes, scales, bits, block);
+  TORCH_CHECK(out.blocks() == in.per_row, "neox_quant: the output rows hold ", out.blocks(),
+              " blocks, one chunk has ", in.per_row);
   float* residual_ptr = nullptr;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 1 && residual->is_contiguous() &&
-                    residual->scalar_type() == at::kFloat && residual->numel() == n_blocks * block,
-                "neox_quant: residual must be contiguous fp32 of one chunk");
+    check_flat(*residual, in.per_row * block, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat, "neox_quant: residual must be float32");
     residual_ptr = residual->data_ptr<float>();
   }
-  at::Tensor codes = at::empty({n_blocks * block_bytes}, codes_k.options());
-  at::Tensor scales = at::empty({n_blocks}, scales_k.options());
-  const uint8_t* in_codes = static_cast<const uint8_t*>(codes_k.data_ptr());
-  const float* in_scales = scales_k.data_ptr<float>();
-  uint8_t* out_codes = static_cast<uint8_t*>(codes.data_ptr());
-  float* out_scales = scales.data_ptr<float>();
-  at::parallel_for(0, n_blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, in.per_row, grain_blocks(block), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(block);  // one block of fp32 sums per task: stays in cache
     std::vector<float> sent(residual_ptr ? block : 0);
     for (int64_t b = b0; b < b1; ++b) {
-      sum_chunks(in_codes, in_scales, k, n_blocks, b, bits, block, acc.data());
+      sum_chunks(in, b, bits, block, acc.data());
       float* r = residual_ptr ? residual_ptr + b * block : nullptr;
       if (r)
         for (int64_t i = 0; i < block; ++i) acc[i] = acc[i] + r[i];
-      uint8_t* dst = out_codes + b * block_bytes;
-      out_scales[b] = encode_block(acc.data(), block, bits, dst);
+      uint8_t* dst = out.codes_of(b);
+      float* scale = out.scale_of(b);
+      *scale = encode_block(acc.data(), block, bits, dst);
       if (r) {
-        decode_block(dst, out_scales[b], block, bits, sent.data());
+        decode_block(dst, *scale, block, bits, sent.data());
         for (int64_t i = 0; i < block; ++i) r[i] = acc[i] - sent[i];
       }
     }
   });
-  return {codes, scales};
 }
 
 // The blockwise orthonormal Walsh-Hadamard transform (base.py, "Rotation"): butterfly stages in
@@ -281,11 +278,12 @@ at::Tensor hadamard(const at::Tensor& x, int64_t block, double scale) {
 }  // namespace
 
 TORCH_LIBRARY(neox_quant, m) {
-  m.def("quantize(Tensor x, int bits, int block) -> (Tensor, Tensor)");
-  m.def("dequantize(Tensor codes, Tensor scales, int bits, int block, ScalarType dtype) -> Tensor");
-  m.def("dequantize_sum(Tensor codes, Tensor scales, int k, int bits, int block) -> Tensor");
-  m.def("reduce_requantize(Tensor codes, Tensor scales, int k, int bits, int block,"
-        " Tensor(a!)? residual=None) -> (Tensor, Tensor)");
+  // Encoded data is 2-D rows (see Rows); outputs are written in place.
+  m.def("quantize(Tensor x, Tensor(a!) codes, Tensor(b!) scales, int bits, int block) -> ()");
+  m.def("dequantize(Tensor codes, Tensor scales, int bits, int block, Tensor(a!) out) -> ()");
+  m.def("dequantize_sum(Tensor codes, Tensor scales, int bits, int block, Tensor(a!) out) -> ()");
+  m.def("reduce_requantize(Tensor codes_k, Tensor scales_k, int bits, int block,"
+        " Tensor(a!)? residual, Tensor(b!) codes, Tensor(c!) scales) -> ()");
   m.def("hadamard(Tensor x, int block, float scale) -> Tensor");
 }
 

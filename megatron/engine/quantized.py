@@ -2,7 +2,9 @@
 
 - The bits of every quantizable phase come from the run's ``megatron.config.quant_spec.QuantSpec``.
 - Messages: a chunk of n elements travels as ONE uint8 buffer, its codes (n bytes at 8 bits, n/2 at
-  4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent.
+  4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent. The
+  kernels encode into a send buffer's messages and decode received ones where they lie (rows of
+  the buffer): no message is packed or unpacked by a copy.
 - ``QuantizedCollectives``: the weight gather (quantize own chunk, allgather messages, every member
   dequantizes every chunk) and the gradient reduction (a chain of all-to-all hops, each followed by
   the fused dequantize -> fp32 sum -> requantize kernel; the last hop ends in an fp32 sum), with
@@ -18,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from megatron.ops.quant import codes_numel, get_quantizer
+from megatron.ops.quant import codes_dtype, codes_numel, get_quantizer
+from megatron.ops.quant.base import interleaved_rows, record_bytes
 from megatron.config.quant_spec import QuantSpec
 from megatron.topology.groups import RankGroup
 from megatron.engine.comm import Communicator, Pending
@@ -28,45 +31,59 @@ from megatron.engine.grad_reduce import Chain, run_to_end
 
 
 # ---------------------------------------------------------------------------------------------------
-# Messages: codes then scales, one uint8 buffer
+# Messages: codes then scales, one uint8 buffer, written and read in place by the kernels
 # ---------------------------------------------------------------------------------------------------
 
-def message_bytes(numel: int, bits: int, block: int) -> int:
-    """Bytes of the message of a chunk of ``numel`` elements: ``numel x bits/8 + 4 numel/block``."""
-    return codes_numel(numel, bits) + 4 * (numel // block)
+message_bytes = record_bytes  # a chunk of n elements travels as n x bits/8 code bytes + 4 n/block
 
 
-def pack_messages(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
-    """(codes, scales) of n elements -> k messages of n/k elements back to back (uint8, 1-D)."""
-    code_bytes = codes.view(torch.uint8).view(k, -1)
-    scale_bytes = scales.view(torch.uint8).view(k, -1)
-    return torch.cat([code_bytes, scale_bytes], dim=1).reshape(-1)
+class Outbox:
+    """A new buffer of k messages (``numel`` values in all, n/k each) and ``rows``, the (codes, scales)
+    rows the kernels encode into: views of the buffer, so nothing is packed. Where a message's scales
+    cannot be viewed as fp32 (an odd number of blocks of 2 at INT4, an odd INT8 block), the rows are
+    tensors of their own, copied into the buffer by ``sealed``."""
+
+    __slots__ = ("k", "buf", "rows", "_staged")
+
+    def __init__(self, k: int, numel: int, bits: int, block: int, device: torch.device):
+        self.k = k
+        self.buf = torch.empty(k * message_bytes(numel // k, bits, block), dtype=torch.uint8, device=device)
+        rows = interleaved_rows(self.buf, k, bits, block)
+        self._staged = rows is None
+        if rows is None:
+            rows = (torch.empty(k, codes_numel(numel // k, bits), dtype=codes_dtype(bits), device=device),
+                    torch.empty(k, numel // k // block, dtype=torch.float32, device=device))
+        self.rows = rows
+
+    def sealed(self) -> torch.Tensor:
+        """The buffer, its messages complete."""
+        if self._staged:
+            codes, scales = self.rows
+            self.buf.view(self.k, -1).copy_(torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1))
+        return self.buf
 
 
-def unpack_messages(buf: torch.Tensor, k: int, chunk_numel: int, bits: int, block: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k messages of ``chunk_numel`` elements -> (codes of all k chunks, their fp32 scales), in order."""
-    rows = buf.view(k, -1)
-    ncodes = codes_numel(chunk_numel, bits)
-    if rows.shape[1] != message_bytes(chunk_numel, bits, block):
-        raise EngineError(f"a quantized message holds {rows.shape[1]} bytes, expected "
-                          f"{message_bytes(chunk_numel, bits, block)} for {chunk_numel} elements")
-    # reshape copies the k strided pieces into one tensor (k > 1) or views the one message (k == 1):
-    # either way nothing is copied twice; scales that do not start on a 4-byte boundary are copied
-    codes = rows[:, :ncodes].reshape(-1)
-    scales = rows[:, ncodes:].reshape(-1)
-    if scales.data_ptr() % 4:
-        scales = scales.clone()
-    return (codes.view(torch.int8) if bits == 8 else codes), scales.view(torch.float32)
+def received_rows(buf: torch.Tensor, k: int, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k messages as the (codes, scales) rows the kernels read: views of ``buf``, or copies where
+    the scales cannot be viewed as fp32 (see ``Outbox``)."""
+    rows = interleaved_rows(buf, k, bits, block)
+    if rows is not None:
+        return rows
+    records = buf.view(k, -1)
+    ncodes = codes_numel(_chunk_numel(records.shape[1], bits, block), bits)
+    codes = records[:, :ncodes].clone()
+    return (codes.view(torch.int8) if bits == 8 else codes), records[:, ncodes:].clone().view(torch.float32)
 
 
 def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits: int, block: int) -> torch.Tensor:
     """Messages ``first .. first+count-1`` of k received ones as ONE message of their concatenated
     chunks: the same codes and scales, no re-quantization (zeropp's INT8 secondary copy)."""
-    rows = received.view(k, -1)[first:first + count].reshape(-1)
-    chunk_numel = _chunk_numel(rows.numel() // count, bits, block)
-    codes, scales = unpack_messages(rows, count, chunk_numel, bits, block)
-    return pack_messages(codes, scales, 1)
+    codes, scales = received_rows(received, k, bits, block)
+    chunk_numel = _chunk_numel(received.numel() // k, bits, block)
+    merged = Outbox(1, count * chunk_numel, bits, block, received.device)
+    merged.rows[0].copy_(codes[first:first + count].reshape(1, -1))
+    merged.rows[1].copy_(scales[first:first + count].reshape(1, -1))
+    return merged.sealed()
 
 
 class QuantizedCollectives:
@@ -79,15 +96,17 @@ class QuantizedCollectives:
 
     # -- encoding ---------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, bits: int, residual: Optional[torch.Tensor] = None,
-               residual_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               residual_scale: float = 1.0, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``x`` (+ the error-feedback ``residual``, which becomes what this quantization lost).
 
         The residual is kept in unscaled units: ``x`` carries the loss scale ``residual_scale``, so
         the residual is multiplied by it on the way in and divided by it on the way out (exact for
         the powers of two a dynamic loss scale takes), and a changed scale needs no rescaling.
+        ``out``: the rows to encode into (an ``Outbox``'s).
         """
         x_in = x.float() + residual * residual_scale if residual is not None else x
-        codes, scales = self.quantizer.quantize(x_in, bits, self.block, check_finite=False)
+        codes, scales = self.quantizer.quantize(x_in, bits, self.block, check_finite=False, out=out)
         if residual is not None:
             residual.copy_(x_in - self.quantizer.dequantize(codes, scales, bits, self.block))
             if residual_scale != 1.0:
@@ -101,8 +120,9 @@ class QuantizedCollectives:
 
     def message(self, x: torch.Tensor, bits: int) -> torch.Tensor:
         """One chunk of weights as its uint8 message (a NaN/inf block travels as its NaN/inf scale)."""
-        codes, scales = self.quantizer.quantize(x.contiguous(), bits, self.block, check_finite=False)
-        return pack_messages(codes, scales, 1)
+        outbox = Outbox(1, x.numel(), bits, self.block, x.device)
+        self.quantizer.quantize(x.contiguous(), bits, self.block, check_finite=False, out=outbox.rows)
+        return outbox.sealed()
 
     # -- gathers ----------------------------------------------------------------------------------
     def all_gather_messages(self, message: torch.Tensor, group: RankGroup, phase: str
@@ -120,9 +140,10 @@ class QuantizedCollectives:
         return received, charges, pending
 
     def dequantize_into(self, out: torch.Tensor, received: torch.Tensor, k: int, bits: int) -> None:
-        """k received messages -> ``out`` (their chunks in order, in ``out``'s dtype)."""
-        codes, scales = unpack_messages(received, k, out.numel() // k, bits, self.block)
-        out.copy_(self.quantizer.dequantize(codes, scales, bits, self.block, dtype=out.dtype))
+        """k received messages -> ``out`` (flat: their chunks in order, in ``out``'s dtype), decoded
+        where they lie."""
+        codes, scales = received_rows(received, k, bits, self.block)
+        self.quantizer.dequantize(codes, scales, bits, self.block, out=out)
 
     def gather(self, out: torch.Tensor, chunk: torch.Tensor, group: RankGroup, phase: str, bits: int
                ) -> tuple[torch.Tensor, dict[str, int]]:
@@ -156,30 +177,33 @@ class QuantizedCollectives:
         widths = [bits] * len(hops) if isinstance(bits, int) else list(bits)
         if self.rotate_gradients:
             x = self.quantizer.rotate(x.float().contiguous(), self.block)
-        codes, scales = self.encode(x, widths[0], hops[0][1], residual_scale)
-        numel = x.numel()
+        block, quantizer, numel = self.block, self.quantizer, x.numel()
+        # each hop's messages are encoded straight into its send buffer and read where they arrive
+        send = Outbox(hops[0][0].size, numel, widths[0], block, x.device)
+        self.encode(x, widths[0], hops[0][1], residual_scale, out=send.rows)
         for i, (group, _residual) in enumerate(hops):
-            send = pack_messages(codes, scales, group.size)
-            received = torch.empty_like(send)
-            _charges, pending = self.comm.start_all_to_all(received, send, group, phase)
+            message = send.sealed()
+            received = torch.empty_like(message)
+            _charges, pending = self.comm.start_all_to_all(received, message, group, phase)
             yield pending
             numel //= group.size
-            codes_k, scales_k = unpack_messages(received, group.size, numel, widths[i], self.block)
+            codes_k, scales_k = received_rows(received, group.size, widths[i], block)
             if i + 1 < len(hops):
                 residual = hops[i + 1][1]
+                send = Outbox(hops[i + 1][0].size, numel, widths[i + 1], block, x.device)
                 if widths[i + 1] != widths[i]:  # another width: the sum, then a quantization at it
-                    total = self.quantizer.dequantize_sum(codes_k, scales_k, group.size, widths[i], self.block)
-                    codes, scales = self.encode(total, widths[i + 1], residual, residual_scale)
+                    total = quantizer.dequantize_sum(codes_k, scales_k, group.size, widths[i], block)
+                    self.encode(total, widths[i + 1], residual, residual_scale, out=send.rows)
                     continue
                 scaled = residual is not None and residual_scale != 1.0
                 if scaled:  # the kernel works in the message's (scaled) units
                     residual.mul_(residual_scale)
-                codes, scales = self.quantizer.reduce_requantize(codes_k, scales_k, group.size, widths[i], self.block,
-                                                                 residual=residual, check_finite=False)
+                quantizer.reduce_requantize(codes_k, scales_k, group.size, widths[i], block, residual=residual,
+                                            check_finite=False, out=send.rows)
                 if scaled:
                     residual.div_(residual_scale)
-        total = self.quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, widths[-1], self.block)
-        return self.quantizer.rotate(total, self.block) if self.rotate_gradients else total
+        total = quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, widths[-1], block)
+        return quantizer.rotate(total, block) if self.rotate_gradients else total
 
 
 def _chunk_numel(message_nbytes: int, bits: int, block: int) -> int:

@@ -114,10 +114,28 @@ def _check_numel(numel: int, block: int, what: str) -> None:
             f"padded_numel(n, block, multiple) first")
 
 
-def _check_codes(codes: Tensor, scales: Tensor, bits: int, block: int, chunks: int) -> int:
-    """Validate encoded chunks; returns the number of values one chunk encodes."""
-    _check_flat(codes, "codes")
-    _check_flat(scales, "scales")
+def as_rows(t: Tensor, name: str, rows: int) -> Tensor:
+    """``t`` seen as ``rows`` rows: a contiguous 1-D tensor is viewed so; a 2-D one (each row
+    contiguous, rows at any stride: e.g. the codes or the scales of k messages inside one buffer)
+    must have that many rows."""
+    if not isinstance(t, Tensor):
+        raise QuantizationError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 1 and t.is_contiguous():
+        if rows < 1 or t.numel() % rows:
+            raise QuantizationError(f"cannot split {t.numel()} {name} into k={rows} chunks")
+        return t.view(rows, -1)
+    if t.dim() == 2 and t.shape[0] == rows and (t.stride(1) == 1 or t.shape[1] < 2):
+        return t
+    raise QuantizationError(f"{name} must be a contiguous 1-D tensor (flatten it first), or {rows} rows each "
+                            f"contiguous; got shape "
+                            f"{tuple(t.shape)}, strides {t.stride()}")
+
+
+def _check_codes(codes: Tensor, scales: Tensor, bits: int, block: int, rows: int
+                 ) -> tuple[Tensor, Tensor, int]:
+    """Validate encoded data as ``rows`` rows (chunks, or messages); returns (codes rows, scales rows,
+    values per row)."""
+    codes, scales = as_rows(codes, "codes", rows), as_rows(scales, "scales", rows)
     want = codes_dtype(bits)
     if codes.dtype != want:
         raise QuantizationError(f"INT{bits} codes must be {want}, got {codes.dtype}")
@@ -125,15 +143,72 @@ def _check_codes(codes: Tensor, scales: Tensor, bits: int, block: int, chunks: i
         raise QuantizationError(f"scales must be float32, got {scales.dtype}")
     if codes.device != scales.device:
         raise QuantizationError(f"codes on {codes.device} but scales on {scales.device}")
-    if chunks < 1 or codes.numel() % chunks or scales.numel() % chunks:
+    per_row = codes.shape[1] * (1 if bits == 8 else 2)
+    if per_row != scales.shape[1] * block:
         raise QuantizationError(
-            f"cannot split {codes.numel()} codes and {scales.numel()} scales into k={chunks} chunks")
-    per_chunk = codes.numel() // chunks * (1 if bits == 8 else 2)
-    if per_chunk % block or scales.numel() // chunks != per_chunk // block:
-        raise QuantizationError(
-            f"{codes.numel()} INT{bits} codes and {scales.numel()} scales do not form k={chunks} "
+            f"{codes.numel()} INT{bits} codes and {scales.numel()} scales do not form k={rows} "
             f"chunks of whole blocks of {block}")
-    return per_chunk
+    return codes, scales, per_row
+
+
+def _rows_of(t: Tensor) -> int:
+    return t.shape[0] if t.dim() == 2 else 1
+
+
+def _check_out_codes(out, numel: int, bits: int, block: int, device: torch.device
+                     ) -> tuple[Tensor, Tensor]:
+    """``out`` = (codes, scales) to write ``numel`` values' encoding into (1-D, or rows of a
+    message layout), or None: new 1-D tensors."""
+    if out is None:
+        codes = torch.empty(codes_numel(numel, bits), dtype=codes_dtype(bits), device=device)
+        return codes.view(1, -1), torch.empty(1, numel // block, dtype=torch.float32, device=device)
+    codes, scales = out
+    codes, scales, per_row = _check_codes(codes, scales, bits, block, _rows_of(codes))
+    if per_row * codes.shape[0] != numel or codes.device != device:
+        raise QuantizationError(f"out holds {per_row * codes.shape[0]} INT{bits} values on "
+                                f"{codes.device}; {numel} on {device} are encoded")
+    return codes, scales
+
+
+def _check_out_values(out: Optional[Tensor], numel: int, dtype: torch.dtype, device: torch.device
+                      ) -> Tensor:
+    """A flat contiguous ``out`` of ``numel`` values of ``dtype``, or a new one."""
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    _check_flat(out, "out")
+    if out.numel() != numel or out.dtype != dtype or out.device != device:
+        raise QuantizationError(f"out must hold {numel} {dtype} values on {device}; got {out.numel()} "
+                                f"{out.dtype} on {out.device}")
+    return out
+
+
+def _returned(t: Tensor, given) -> Tensor:
+    """What a call returns for an output it allocated (flat) or was given (as given)."""
+    return t.view(-1) if given is None else t
+
+
+def record_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of one record of ``interleaved_rows``: ``numel`` values' codes then their fp32 scales."""
+    return codes_numel(numel, bits) + 4 * (numel // block)
+
+
+def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[tuple[Tensor, Tensor]]:
+    """A flat uint8 buffer of ``rows`` equal records, each a row's codes followed by its fp32 scales
+    (the engine's messages), as (codes rows, scales rows): views the kernels read and write in place.
+    None when the scales cannot be viewed as fp32 (a record or its codes not a multiple of 4 bytes,
+    e.g. INT4 with an odd number of blocks of 2); the caller then copies."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % rows:
+        raise QuantizationError(f"records must be a contiguous 1-D uint8 buffer of {rows} equal records")
+    size = buf.numel() // rows
+    per_block = record_bytes(block, bits, block)
+    if size % per_block:
+        raise QuantizationError(f"a record of {size} bytes is not whole INT{bits} blocks of {block}")
+    code_bytes = size // per_block * (block if bits == 8 else block // 2)
+    if size % 4 or code_bytes % 4 or buf.storage_offset() % 4:
+        return None
+    records = buf.view(rows, size)
+    codes = records[:, :code_bytes]
+    return (codes.view(torch.int8) if bits == 8 else codes), records[:, code_bytes:].view(torch.float32)
 
 
 def check_finite_scales(scales: Tensor, block: int, what: str) -> None:
@@ -159,8 +234,16 @@ class Quantizer:
     name = "abstract"
 
     # -- public API ---------------------------------------------------------------------------
-    def quantize(self, x: Tensor, bits: int, block: int, check_finite: bool = True) -> tuple[Tensor, Tensor]:
-        """Encode x (fp32/bf16/fp16, n a multiple of block) -> (codes, fp32 scales of n / block).
+    # Encoded data (codes, scales) is 1-D and contiguous, or given as rows: 2-D views whose rows are
+    # contiguous and may lie at any stride, e.g. k messages of one buffer, each its chunk's codes
+    # then its scales (megatron/engine/quantized.py). The kernels read such rows in place and write
+    # into them (``out``), so a message is never packed or unpacked by a copy.
+
+    def quantize(self, x: Tensor, bits: int, block: int, check_finite: bool = True,
+                 out: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
+        """Encode x (fp32/bf16/fp16, n a multiple of block) -> (codes, fp32 scales of n / block);
+        into ``out`` = (codes, scales) when given (1-D, or rows: block i of x goes to row
+        i // (blocks per row)), which is returned.
 
         ``check_finite``: refuse a NaN/inf block (one host sync on a GPU). Off, the block keeps its
         NaN/inf scale (module docstring) and nothing waits for the device: the engine's hot path,
@@ -170,27 +253,35 @@ class Quantizer:
         if x.dtype not in INPUT_DTYPES:
             raise QuantizationError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
         _check_numel(x.numel(), block, "quantize")
-        codes, scales = self._quantize(x, bits, block)
+        codes, scales = _check_out_codes(out, x.numel(), bits, block, x.device)
+        self._quantize(x, bits, block, codes, scales)
         if check_finite:
-            check_finite_scales(scales, block, "quantize")
-        return codes, scales
+            check_finite_scales(scales.reshape(-1), block, "quantize")
+        return _returned(codes, out), _returned(scales, out)
 
     def dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
-                   numel: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Decode to `dtype`; `numel` (default: all) keeps only the first numel values (unpadding)."""
+                   numel: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                   out: Optional[Tensor] = None) -> Tensor:
+        """Decode to `dtype` (every row in order); `numel` (default: all) keeps only the first numel
+        values (unpadding); into ``out`` (flat, contiguous, all the values; its dtype) when given."""
         check_block(bits, block)
-        total = _check_codes(codes, scales, bits, block, 1)
+        codes, scales, per_row = _check_codes(codes, scales, bits, block, _rows_of(codes))
+        total = per_row * codes.shape[0]
+        dtype = dtype if out is None else out.dtype
         if dtype not in INPUT_DTYPES:
             raise QuantizationError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         if numel is not None and not 0 <= numel <= total:
             raise QuantizationError(f"numel={numel} but the codes hold {total} values")
-        out = self._dequantize(codes, scales, bits, block, dtype)
-        return out if numel is None or numel == total else out[:numel]
+        result = _check_out_values(out, total, dtype, codes.device)
+        self._dequantize(codes, scales, bits, block, result)
+        return result if numel is None or numel == total else result[:numel]
 
     def reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
                           block: int, residual: Optional[Tensor] = None,
-                          check_finite: bool = True) -> tuple[Tensor, Tensor]:
-        """Fused: dequantize k concatenated chunks, sum them in fp32 (chunk 0 first), quantize.
+                          check_finite: bool = True,
+                          out: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
+        """Fused: dequantize k chunks (1-D concatenated, or k rows), sum them in fp32 (chunk 0
+        first), quantize (into ``out`` when given, as ``quantize``'s).
 
         This is the local step of an all-to-all reduction: codes_k/scales_k are what arrived from
         the k peers, the result is one chunk (codes, scales) ready for the next hop.
@@ -201,7 +292,7 @@ class Quantizer:
         unfused sum (tests/quant_oracles.py states that unfused form).
         """
         check_block(bits, block)
-        per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
+        codes_k, scales_k, per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
         if residual is not None:
             _check_flat(residual, "residual")
             if (residual.dtype != torch.float32 or residual.numel() != per_chunk
@@ -209,17 +300,21 @@ class Quantizer:
                 raise QuantizationError(
                     f"residual must be float32 with {per_chunk} elements on {codes_k.device}; got "
                     f"{residual.dtype} with {residual.numel()} on {residual.device}")
-        codes, scales = self._reduce_requantize(codes_k, scales_k, k, bits, block, residual)
+        codes, scales = _check_out_codes(out, per_chunk, bits, block, codes_k.device)
+        self._reduce_requantize(codes_k, scales_k, bits, block, residual, codes, scales)
         if check_finite:  # as quantize's
-            check_finite_scales(scales, block, "reduce_requantize")
-        return codes, scales
+            check_finite_scales(scales.reshape(-1), block, "reduce_requantize")
+        return _returned(codes, out), _returned(scales, out)
 
     def dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
                        block: int) -> Tensor:
-        """Fused: dequantize k concatenated chunks and sum them in fp32 (the last hop's step)."""
+        """Fused: dequantize k chunks (1-D concatenated, or k rows) and sum them in fp32 (the last
+        hop's step)."""
         check_block(bits, block)
-        _check_codes(codes_k, scales_k, bits, block, k)
-        return self._dequantize_sum(codes_k, scales_k, k, bits, block)
+        codes_k, scales_k, per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
+        out = torch.empty(per_chunk, dtype=torch.float32, device=codes_k.device)
+        self._dequantize_sum(codes_k, scales_k, bits, block, out)
+        return out
 
     def rotate(self, x: Tensor, block: int) -> Tensor:
         """The blockwise orthonormal Walsh-Hadamard transform of fp32 ``x`` (module docstring); a new
@@ -232,19 +327,27 @@ class Quantizer:
         return self._rotate(x, block)
 
     # -- implementation hooks -----------------------------------------------------------------
-    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    # Arguments are validated. Encoded data comes as rows (2-D, each row contiguous, rows at any
+    # stride); block i of a flat sequence of blocks is block i % (blocks per row) of row
+    # i // (blocks per row). Outputs are written in place.
+
+    def _quantize(self, x: Tensor, bits: int, block: int, codes: Tensor, scales: Tensor) -> None:
+        """Encode the flat ``x`` into the rows ``codes``/``scales``."""
         raise NotImplementedError
 
-    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
-                    dtype: torch.dtype) -> Tensor:
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int, out: Tensor) -> None:
+        """Decode every row, in order, into the flat ``out`` (its dtype)."""
         raise NotImplementedError
 
-    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                           residual: Optional[Tensor], codes: Tensor, scales: Tensor) -> None:
+        """Sum the k rows (chunks) of ``codes_k``/``scales_k`` in fp32, row 0 first, (+ residual,
+        which keeps what the quantization lost) and encode the sum into the rows ``codes``/``scales``."""
         raise NotImplementedError
 
-    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                        block: int) -> Tensor:
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                        out: Tensor) -> None:
+        """Sum the k rows (chunks) in fp32, row 0 first, into the flat fp32 ``out``."""
         raise NotImplementedError
 
     def _rotate(self, x: Tensor, block: int) -> Tensor:

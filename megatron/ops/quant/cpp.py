@@ -121,26 +121,23 @@ class CppQuantizer(Quantizer):
         load_ops()
         self._ops = torch.ops.neox_quant
 
-    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    def _quantize(self, x: Tensor, bits: int, block: int, codes: Tensor, scales: Tensor) -> None:
         _require_cpu(x)
-        codes, scales = self._ops.quantize(x, bits, block)
-        return codes, scales
+        self._ops.quantize(x, codes, scales, bits, block)
 
-    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
-                    dtype: torch.dtype) -> Tensor:
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int, out: Tensor) -> None:
         _require_cpu(codes)
-        return self._ops.dequantize(codes, scales, bits, block, dtype)
+        self._ops.dequantize(codes, scales, bits, block, out)
 
-    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                        block: int) -> Tensor:
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                        out: Tensor) -> None:
         _require_cpu(codes_k)
-        return self._ops.dequantize_sum(codes_k, scales_k, k, bits, block)
+        self._ops.dequantize_sum(codes_k, scales_k, bits, block, out)
 
-    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                           residual: Optional[Tensor], codes: Tensor, scales: Tensor) -> None:
         _require_cpu(codes_k)
-        codes, scales = self._ops.reduce_requantize(codes_k, scales_k, k, bits, block, residual)
-        return codes, scales
+        self._ops.reduce_requantize(codes_k, scales_k, bits, block, residual, codes, scales)
 
     def _rotate(self, x: Tensor, block: int) -> Tensor:
         _require_cpu(x)

@@ -56,38 +56,48 @@ def hadamard_blocks(x: Tensor, block: int) -> Tensor:
     return (y * torch.tensor(rotation_scale(block), dtype=torch.float32, device=x.device)).view(-1)
 
 
+def _flat(rows: Tensor) -> Tensor:
+    """Rows of encoded data as one flat tensor (a copy when the rows are not back to back)."""
+    return rows.reshape(-1)
+
+
+def _store(codes: Tensor, scales: Tensor, new_codes: Tensor, new_scales: Tensor) -> None:
+    """Write flat encoded data into the output rows."""
+    codes.copy_(new_codes.view(codes.shape))
+    scales.copy_(new_scales.view(scales.shape))
+
+
 class ReferenceQuantizer(Quantizer):
-    """Block quantization in plain torch (the oracle)."""
+    """Block quantization in plain torch (the oracle). Rows are flattened (copied if strided) and
+    outputs computed whole, then copied into place: clarity over speed."""
 
     name = "reference"
 
-    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
-        return encode_blocks(x.to(torch.float32).view(-1, block), bits)
+    def _quantize(self, x: Tensor, bits: int, block: int, codes: Tensor, scales: Tensor) -> None:
+        _store(codes, scales, *encode_blocks(x.to(torch.float32).view(-1, block), bits))
 
-    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
-                    dtype: torch.dtype) -> Tensor:
-        return decode_blocks(codes, scales, bits, block).view(-1).to(dtype)
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int, out: Tensor) -> None:
+        out.copy_(decode_blocks(_flat(codes), _flat(scales), bits, block).view(-1))
 
-    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                        block: int) -> Tensor:
-        chunk_codes = codes_k.numel() // k
-        chunk_blocks = scales_k.numel() // k
-        total = torch.zeros(chunk_blocks, block, dtype=torch.float32, device=codes_k.device)
-        for j in range(k):                               # fixed order: chunk 0 first
-            codes = codes_k[j * chunk_codes:(j + 1) * chunk_codes]
-            scales = scales_k[j * chunk_blocks:(j + 1) * chunk_blocks]
-            total = total + decode_blocks(codes, scales, bits, block)
+    def _sum(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int) -> Tensor:
+        total = torch.zeros(scales_k.shape[1], block, dtype=torch.float32, device=codes_k.device)
+        for j in range(codes_k.shape[0]):                # fixed order: chunk 0 first
+            total = total + decode_blocks(codes_k[j], scales_k[j], bits, block)
         return total.view(-1)
 
-    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        total = self._dequantize_sum(codes_k, scales_k, k, bits, block)
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                        out: Tensor) -> None:
+        out.copy_(self._sum(codes_k, scales_k, bits, block))
+
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                           residual: Optional[Tensor], codes: Tensor, scales: Tensor) -> None:
+        total = self._sum(codes_k, scales_k, bits, block)
         if residual is not None:
             total = total + residual                     # error feedback: sum first, then residual
-        codes, scales = encode_blocks(total.view(-1, block), bits)
+        new_codes, new_scales = encode_blocks(total.view(-1, block), bits)
         if residual is not None:
-            residual.copy_(total - decode_blocks(codes, scales, bits, block).view(-1))
-        return codes, scales
+            residual.copy_(total - decode_blocks(new_codes, new_scales, bits, block).view(-1))
+        _store(codes, scales, new_codes, new_scales)
 
     def _rotate(self, x: Tensor, block: int) -> Tensor:
         return hadamard_blocks(x, block)

@@ -25,7 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from .base import DEFAULT_BLOCK, INPUT_DTYPES, QuantizationError, Quantizer, padded_numel, qmax
+from .base import (DEFAULT_BLOCK, INPUT_DTYPES, QuantizationError, Quantizer, interleaved_rows, padded_numel,
+                   qmax, record_bytes)
 from .reference import ReferenceQuantizer
 from .select import get_quantizer
 
@@ -215,6 +216,66 @@ def _kernel_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], 
     problems.append(_bitwise_mismatch(
         "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
         reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
+    return problems + _rows_mismatches(quantizer, x, k_inputs, bits, block)
+
+
+def _records(values: int, rows: int, bits: int, block: int, device: torch.device
+             ) -> Optional[tuple[Tensor, Tensor]]:
+    """Rows of a new interleaved buffer (each row's codes, then its scales; base.interleaved_rows)
+    holding ``values`` values as ``rows`` rows, its bytes set to a pattern the kernels must overwrite;
+    None where the layout cannot be viewed in place."""
+    buf = torch.full((rows * record_bytes(values // rows, bits, block),), 0xA5, dtype=torch.uint8,
+                     device=device)
+    return interleaved_rows(buf, rows, bits, block)
+
+
+def _most_rows(blocks: int) -> int:
+    """Rows for a layout of ``blocks`` blocks: 3 or 2 where they divide it (rows at a stride)."""
+    return next(rows for rows in (3, 2, 1) if blocks % rows == 0)
+
+
+def _rows_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], bits: int, block: int
+                     ) -> list[Optional[str]]:
+    """The kernels reading and writing interleaved rows in place (the engine's messages), against
+    the reference on flat tensors: quantize into rows, dequantize from them, the fused reductions
+    from k rows into rows."""
+    reference = ReferenceQuantizer()
+    rows = _most_rows(x.numel() // block)
+    out = _records(x.numel(), rows, bits, block, x.device)
+    encoded = [reference.quantize(t, bits, block) for t in k_inputs]
+    k = len(k_inputs)
+    received = _records(k * k_inputs[0].numel(), k, bits, block, x.device)
+    if out is None or received is None:
+        return []  # records not viewable in place (odd tiny blocks): the engine copies there
+    problems: list[Optional[str]] = []
+    quantizer.quantize(x, bits, block, out=out)
+    want_codes, want_scales = reference.quantize(x, bits, block)
+    problems.append(_bitwise_mismatch("quantize into rows, codes", out[0].reshape(-1), want_codes))
+    problems.append(_bitwise_mismatch("quantize into rows, scales", out[1].reshape(-1), want_scales))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.empty(x.numel(), dtype=dtype, device=x.device)
+        quantizer.dequantize(*out, bits, block, out=got)
+        problems.append(_bitwise_mismatch(f"dequantize rows to {dtype}", got,
+                                          reference.dequantize(want_codes, want_scales, bits, block, dtype=dtype)))
+    for j, (codes, scales) in enumerate(encoded):
+        received[0][j].copy_(codes)
+        received[1][j].copy_(scales)
+    codes_k = torch.cat([c for c, _ in encoded])
+    scales_k = torch.cat([s for _, s in encoded])
+    chunk = k_inputs[0].numel()
+    for residual in (None, -0.3 * reference.dequantize(*encoded[-1], bits, block)):
+        into = _records(chunk, _most_rows(chunk // block), bits, block, x.device)
+        got_residual = None if residual is None else residual.clone()
+        want_residual = None if residual is None else residual.clone()
+        quantizer.reduce_requantize(*received, k, bits, block, residual=got_residual, out=into)
+        want = reference.reduce_requantize(codes_k, scales_k, k, bits, block, residual=want_residual)
+        what = "reduce_requantize rows" + ("" if residual is None else "+residual")
+        problems.append(_bitwise_mismatch(f"{what} codes", into[0].reshape(-1), want[0]))
+        problems.append(_bitwise_mismatch(f"{what} scales", into[1].reshape(-1), want[1]))
+        if residual is not None:
+            problems.append(_bitwise_mismatch(f"{what}, residual", got_residual, want_residual))
+    problems.append(_bitwise_mismatch("dequantize_sum rows", quantizer.dequantize_sum(*received, k, bits, block),
+                                      reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
     return problems
 
 
