@@ -37,14 +37,15 @@ RUNS = {
 }
 
 
-def _engine(rank: int, tiers: list, layout: ShardLayout, quant: QuantSpec):
+def _engine(rank: int, tiers: list, layout: ShardLayout, quant: QuantSpec, model: dict | None = None):
+    """An engine over test_engine's tiny model (``model``: its overrides, e.g. the Llama block's)."""
     from megatron.engine import Communicator, ZeroTopoEngine, lm_loss
     from megatron.engine.settings import EngineSettings
     from megatron.topology import ProcessGroups, Topology
     from test_engine import build_model
 
     groups = ProcessGroups(Topology.simulated(tiers), layout, rank)
-    return ZeroTopoEngine(build_model(), lm_loss, groups, Communicator(groups),
+    return ZeroTopoEngine(build_model(**(model or {})), lm_loss, groups, Communicator(groups),
                           EngineSettings(optimizer=OPT, quant=quant))
 
 
@@ -54,12 +55,12 @@ def _step(engine, rank: int, step: int) -> dict:
     held = [u.shard[u.opt_range[0] - u.weight_range[0]: u.opt_range[1] - u.weight_range[0]].float().clone()
             for u in engine.units]
     engine.optimizer_step(LR)
-    total = engine.all_reduce_sum([loss, 1.0, 0.0], sync_ledger=True)[0]
+    total, ranks, _ = engine.all_reduce_sum([loss, 1.0, 0.0], sync_ledger=True)
     changes = [(u.master - h).abs().max().item() for u, h in zip(engine.units, held)]
     off = [(u.shard[u.opt_range[0] - u.weight_range[0]: u.opt_range[1] - u.weight_range[0]].float()
             - u.master).abs().max().item() for u in engine.units]
     ledger = engine.synced_ledger()  # the trainer's window: one step, its step vector included
-    return {"loss": total / 4, "ledger": ledger, "changes": changes, "off": off,
+    return {"loss": total / ranks, "ledger": ledger, "changes": changes, "off": off,
             "shards": [u.shard.clone() for u in engine.units]}
 
 
