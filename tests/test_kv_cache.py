@@ -82,6 +82,20 @@ def test_greedy_tokens_with_and_without_cache_and_as_transformers(tmp_path):
     assert out[0, len(prompt):].tolist() == cached.tokens  # CharLevel: the tokenizer covers all 512 rows
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_generation_runs_past_seq_length_up_to_max_position_embeddings(tmp_path, window):
+    """The rotary table covers max_position_embeddings (GPT-NeoX's meaning), not seq_length: generation
+    goes on past the training context, with or without the cache (a sliding window's bounded to 4
+    positions per layer), to the same greedy tokens, and stops at max_position_embeddings."""
+    model = random_model(seq_length=16, max_position_embeddings=40, sliding_window_width=window)
+    im = inference_model(model, tmp_path)
+    greedy = Sampling(temperature=0.0)
+    cached = generate_tokens(im, list(b"abcd"), 100, greedy, use_cache=True, stop_at_eod=False)
+    recomputed = generate_tokens(im, list(b"abcd"), 100, greedy, use_cache=False, stop_at_eod=False)
+    assert cached.tokens == recomputed.tokens and len(cached.tokens) == 36  # 4 + 36 = 40 positions
+    assert "stopped after 36 tokens at max_position_embeddings (40)" in cached.message
+
+
 def test_prompt_longer_than_the_context_keeps_its_end(tmp_path):
     im = inference_model(random_model(seq_length=16), tmp_path)
     done = generate_tokens(im, list(range(40)), 5, Sampling(), stop_at_eod=False)

@@ -8,6 +8,7 @@ import torch
 
 from megatron.checkpointing.hf_llama import (from_llama_state_dict, llama_config, llama_pieces,
                                              to_llama_state_dict)
+from megatron.config.model_shape import head_dim, kv_heads
 from megatron.config.schema import ModelConfig
 from megatron.model import GPTNeoX
 from megatron.model.kv_cache import KVCache
@@ -110,6 +111,7 @@ def test_kv_cache_generation_equals_the_full_forward(shape):
     x = tokens(cfg.seq_length)
     cache = KVCache.for_model(model, batch=2, max_len=cfg.seq_length)
     assert cache.layers[0].keys.shape[1] == cfg.num_kv_heads
+    assert cache.layers[0].keys.shape[2] == min(cfg.seq_length, cfg.sliding_window_width or cfg.seq_length)
     with torch.no_grad():
         full = model(x)
         steps = [model(x[:, :3], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(3, cfg.seq_length)]
@@ -118,6 +120,70 @@ def test_kv_cache_generation_equals_the_full_forward(shape):
     with torch.no_grad():
         parts = [model(x[:, a:b], cache=chunked) for a, b in ((0, 10), (10, 15), (15, cfg.seq_length))]
     assert (torch.cat(parts, dim=1) - full).abs().max().item() < 1e-5
+
+
+def greedy(model: GPTNeoX, prompt: torch.Tensor, steps: int, cache: KVCache | None = None):
+    """Greedy decoding: the new tokens [B, steps] and each step's logits [B, steps, V]. With a cache
+    each step runs the newest token only; without one, the whole sequence again."""
+    sequence, step_input, logits = prompt, prompt, []
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(step_input, cache=cache) if cache is not None else model(sequence)
+            logits.append(out[:, -1])
+            step_input = out[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, step_input], dim=1)
+    return sequence[:, prompt.shape[1]:], torch.stack(logits, dim=1)
+
+
+# A window of 4 over a 24-position training context, generating up to 64 positions (past seq_length).
+LONG_WINDOW = dict(num_kv_heads=2, sliding_window_width=4, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("width", [4, None], ids=["window", "no_window"])
+def test_windowed_cache_stays_within_the_window_and_decodes_as_the_recompute(width):
+    """Greedy decoding over 9 windows (past seq_length 24, up to max_position_embeddings 64): a cache
+    of `width` positions per layer gives the tokens and logits of the recompute without a cache and
+    of a cache that keeps every position and masks the window (the cache before it was bounded).
+    Without a window the cache holds every position, as always."""
+    cfg = llama_cfg(**dict(LONG_WINDOW, sliding_window_width=width))
+    torch.manual_seed(0)
+    model = GPTNeoX(cfg).eval()
+    prompt, steps = tokens(6), 40  # a prompt longer than the window: the first forward trims too
+    bounded = KVCache.for_model(model, batch=2, max_len=6 + steps)
+    assert [layer.keys.shape[2] for layer in bounded.layers] == [width or 6 + steps] * cfg.num_layers
+    masked = KVCache(cfg.num_layers, 2, kv_heads(cfg), 6 + steps, head_dim(cfg), torch.float32,
+                     torch.device("cpu"))  # no window given: every position kept, the model masks the window
+    want_tokens, want_logits = greedy(model, prompt, steps)
+    diffs = []
+    for cache in (bounded, masked):
+        got_tokens, got_logits = greedy(model, prompt, steps, cache)
+        assert torch.equal(got_tokens, want_tokens)
+        diffs.append((got_logits - want_logits).abs().max().item())
+        assert diffs[-1] < 1e-5, diffs
+    assert bounded.length == masked.length == 6 + steps - 1 > cfg.seq_length  # the last token is not fed back
+    print(f"window {width}: max |logit diff| against the recompute: bounded cache {diffs[0]:.1e}, "
+          f"every position kept {diffs[1]:.1e}")
+
+
+def test_windowed_generation_equals_transformers_mistral_past_the_window():
+    """transformers' MistralForCausalLM generates greedily with its own sliding-window cache: the same
+    tokens and per-step logits as ours over 10 windows, past seq_length."""
+    cfg = llama_cfg(**LONG_WINDOW)
+    hf = hf_model(cfg)
+    ours = GPTNeoX(cfg).eval()
+    ours.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
+    prompt, steps = tokens(4), 44
+    with torch.no_grad():
+        # No end-of-sequence token (its default, 2, would be masked out by min_new_tokens) and an explicit
+        # attention mask (without one, a prompt token equal to pad_token_id would count as padding).
+        hf.generation_config.eos_token_id = None
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps, do_sample=False,
+                          use_cache=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    got_tokens, got_logits = greedy(ours, prompt, steps, KVCache.for_model(ours, batch=2, max_len=4 + steps))
+    assert torch.equal(out.sequences[:, 4:], got_tokens)
+    diff = (torch.stack(out.logits, dim=1) - got_logits).abs().max().item()
+    assert diff < TOL, diff
+    print(f"mistral generation past the window: max |logit diff| {diff:.1e}")
 
 
 def test_neox_mlp_widths_by_hand():

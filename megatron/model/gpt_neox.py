@@ -160,8 +160,8 @@ class SelfAttention(nn.Module):
         past = 0
         if kv is not None:
             past = kv.owner.length
-            k, v = kv.extend(k, v)  # the cached positions, then these
-        mask = visible_keys(past, seq, self.window, q.device)
+            k, v = kv.extend(k, v)  # the held positions (the window's, or every one), then these
+        mask = visible_keys(past, seq, k.shape[2], self.window, q.device)
         grouped = self.num_kv_heads != self.num_heads
         if grouped and mask is not None:
             # SDPA's grouped-query path runs only its flash and math kernels on CUDA, and flash takes
@@ -177,17 +177,18 @@ class SelfAttention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 
-def visible_keys(past: int, new: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Which keys each of `new` queries that follow `past` cached positions sees: query i (position
+def visible_keys(past: int, new: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which of `keys` keys (the last positions up to past + new - 1: a windowed cache holds only the
+    latest) each of `new` queries that follow `past` processed positions sees: query i (position
     past + i) sees positions past + i - window .. past + i (all earlier ones without a window; GPT-NeoX's
     flash-attn window (w, 0)). None where SDPA's is_causal says it (nothing cached, no window: SDPA
     aligns its diagonal to the top-left corner) or where every key is visible (one query, no window cut)."""
     if past == 0 and window is None:
         return None
-    if new == 1 and (window is None or past <= window):
+    if new == 1 and (window is None or keys <= window + 1):
         return None
     query = torch.arange(past, past + new, device=device)[:, None]
-    key = torch.arange(past + new, device=device)[None, :]
+    key = torch.arange(past + new - keys, past + new, device=device)[None, :]
     visible = key <= query
     if window is not None:
         visible &= key >= query - window
