@@ -141,9 +141,9 @@ LONG_WINDOW = dict(num_kv_heads=2, sliding_window_width=4, max_position_embeddin
 
 @pytest.mark.parametrize("width", [4, None], ids=["window", "no_window"])
 def test_windowed_cache_stays_within_the_window_and_decodes_as_the_recompute(width):
-    """Greedy decoding over 9 windows (past seq_length 24, up to max_position_embeddings 64): a cache
-    of `width` positions per layer gives the tokens and logits of the recompute without a cache and
-    of a cache that keeps every position and masks the window (the cache before it was bounded).
+    """Greedy decoding of 40 tokens, ten windows, past seq_length 24 (max_position_embeddings 64): a
+    cache of `width` positions per layer gives the tokens and logits of the recompute without a cache
+    and of a cache that keeps every position and masks the window (the cache before it was bounded).
     Without a window the cache holds every position, as always."""
     cfg = llama_cfg(**dict(LONG_WINDOW, sliding_window_width=width))
     torch.manual_seed(0)
@@ -167,7 +167,7 @@ def test_windowed_cache_stays_within_the_window_and_decodes_as_the_recompute(wid
 
 def test_windowed_generation_equals_transformers_mistral_past_the_window():
     """transformers' MistralForCausalLM generates greedily with its own sliding-window cache: the same
-    tokens and per-step logits as ours over 10 windows, past seq_length."""
+    tokens and per-step logits as ours over 44 tokens, eleven windows, past seq_length."""
     cfg = llama_cfg(**LONG_WINDOW)
     hf = hf_model(cfg)
     ours = GPTNeoX(cfg).eval()
