@@ -107,6 +107,10 @@ def test_reduce_kernels_loop_over_the_chunks_at_run_time(name):
     kernel = getattr(triton_kernels, name)
     assert "K" in kernel.arg_names and "K" not in _constexpr_params(kernel)
     assert "UNROLL_LOG2" in _constexpr_params(kernel) and 0 <= triton_kernels.REDUCE_UNROLL_LOG2 <= 4
+    # the rows' strides and blocks per row are runtime arguments too: one kernel per message layout
+    # would compile again for every bucket size
+    layout = ["code_stride", "scale_stride", "out_code_stride", "out_scale_stride", "out_per_row"]
+    assert set(layout) <= set(kernel.arg_names) and not set(layout) & set(_constexpr_params(kernel))
     assert "static_range(K)" not in inspect.getsource(kernel.fn)
 
 
@@ -127,8 +131,10 @@ for bits, kernel, span in ((8, tk._reduce8_kernel, "SPAN"), (4, tk._reduce4_kern
         constants = {"QMAX": float(qmax(bits)), span: tk._span(bits, DEFAULT_BLOCK),
                      "REQUANTIZE": requantize, "HAS_RESIDUAL": requantize,
                      "UNROLL_LOG2": tk.REDUCE_UNROLL_LOG2}
-        types = iter([codes, "*fp32", codes, "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"])
-        signature = {name: "constexpr" if name in constants else next(types) for name in kernel.arg_names}
+        # pointers (codes, or fp32: scales, sums, residual), then strides, blocks per row, block, K
+        types = {name: (codes if "codes" in name else "*fp32") if name.endswith("_ptr") else "i32"
+                 for name in kernel.arg_names}
+        signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, constants),
                                   target=GPUTarget("hip", "gfx90a", 64), options={"enable_fp_fusion": False})
         sizes[f"int{bits}/requantize={requantize}"] = len(compiled.asm["hsaco"])

@@ -4,7 +4,8 @@ Only portable Triton is used: `tl.math.div_rn` for IEEE division, integer max ov
 |x| for the block amax (a float max may drop NaN on GPUs), round half to even by adding and
 subtracting 1.5 * 2^23 (no vendor libdevice `rint`), and fp fusion disabled at launch so the
 k-chunk sum multiplies and adds separately, as the reference does. Results equal the torch
-reference bit for bit.
+reference bit for bit. Encoded data is read and written in place as rows at any stride (base.py),
+e.g. the engine's messages: no copy packs or unpacks it.
 
 On CPU these kernels run only under the Triton interpreter (`TRITON_INTERPRET=1`, set before
 triton is imported), which the tests use with small grids.
@@ -20,7 +21,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from .base import Quantizer, QuantizationError, codes_dtype, qmax, rotation_scale
+from .base import Quantizer, QuantizationError, qmax, rotation_scale
 
 ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
@@ -70,16 +71,29 @@ def _to_output(v, out_ptr):
         return v.to(out_ptr.dtype.element_ty)
 
 
+# Encoded blocks are addressed through rows (base.py, "implementation hooks"): a pointer, the
+# stride between rows (bytes for codes, floats for scales) and the blocks per row, so the kernels
+# read and write the engine's messages in place. Offsets are int64 (from the program id): a
+# message buffer can exceed 2^31 bytes.
+
 @triton.jit
-def _quantize8_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
-                      SPAN: tl.constexpr):
+def _row_offset(i, per_row, row_stride, step):
+    """Offset of block i (int64) of rows of per_row blocks: row i // per_row, row_stride apart;
+    within it block i % per_row, step apart (the block's bytes for codes, 1 for scales)."""
+    return (i // per_row) * row_stride + (i % per_row) * step
+
+
+@triton.jit
+def _quantize8_kernel(x_ptr, codes_ptr, code_stride, scales_ptr, scale_stride, per_row, block,
+                      QMAX: tl.constexpr, SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPAN)
     mask = offs < block
     x = tl.load(x_ptr + b * block + offs, mask=mask, other=0.0).to(tl.float32)
     scale = _block_scale(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
-    tl.store(scales_ptr + b, scale)
-    tl.store(codes_ptr + b * block + offs, _encode(x, scale, QMAX).to(tl.int8), mask=mask)
+    tl.store(scales_ptr + _row_offset(b, per_row, scale_stride, 1), scale)
+    tl.store(codes_ptr + _row_offset(b, per_row, code_stride, block) + offs,
+             _encode(x, scale, QMAX).to(tl.int8), mask=mask)
 
 
 @triton.jit
@@ -98,36 +112,40 @@ def _interleave(lo, hi, HALF_SPAN: tl.constexpr):
 # (_pairs / _interleave): two loads at stride 2 cannot be vectorised, one contiguous load can.
 
 @triton.jit
-def _quantize4_kernel(x_ptr, codes_ptr, scales_ptr, block, QMAX: tl.constexpr,
-                      HALF_SPAN: tl.constexpr):
+def _quantize4_kernel(x_ptr, codes_ptr, code_stride, scales_ptr, scale_stride, per_row, block,
+                      QMAX: tl.constexpr, HALF_SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, 2 * HALF_SPAN)
     x = tl.load(x_ptr + b * block + offs, mask=offs < block, other=0.0).to(tl.float32)
     scale = _block_scale(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
-    tl.store(scales_ptr + b, scale)
+    tl.store(scales_ptr + _row_offset(b, per_row, scale_stride, 1), scale)
     lo, hi = _pairs(_encode(x, scale, QMAX) & 0xF, HALF_SPAN)
     pairs = tl.arange(0, HALF_SPAN)
-    tl.store(codes_ptr + b * (block // 2) + pairs, (lo | (hi << 4)).to(tl.uint8),
-             mask=pairs < block // 2)
+    tl.store(codes_ptr + _row_offset(b, per_row, code_stride, block // 2) + pairs,
+             (lo | (hi << 4)).to(tl.uint8), mask=pairs < block // 2)
 
 
 @triton.jit
-def _dequantize8_kernel(codes_ptr, scales_ptr, out_ptr, block, SPAN: tl.constexpr):
+def _dequantize8_kernel(codes_ptr, code_stride, scales_ptr, scale_stride, per_row, out_ptr, block,
+                        SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPAN)
     mask = offs < block
-    scale = tl.load(scales_ptr + b)
-    codes = tl.load(codes_ptr + b * block + offs, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(scales_ptr + _row_offset(b, per_row, scale_stride, 1))
+    codes = tl.load(codes_ptr + _row_offset(b, per_row, code_stride, block) + offs, mask=mask,
+                    other=0).to(tl.float32)
     out = codes * scale
     tl.store(out_ptr + b * block + offs, _to_output(out, out_ptr), mask=mask)
 
 
 @triton.jit
-def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.constexpr):
+def _dequantize4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride, per_row, out_ptr, block,
+                        HALF_SPAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HALF_SPAN)
-    scale = tl.load(scales_ptr + b)
-    byte = tl.load(codes_ptr + b * (block // 2) + pairs, mask=pairs < block // 2, other=0).to(tl.int32)
+    scale = tl.load(scales_ptr + _row_offset(b, per_row, scale_stride, 1))
+    byte = tl.load(codes_ptr + _row_offset(b, per_row, code_stride, block // 2) + pairs,
+                   mask=pairs < block // 2, other=0).to(tl.int32)
     lo = _nibble(byte & 0xF).to(tl.float32) * scale
     hi = _nibble(byte >> 4).to(tl.float32) * scale
     offs = tl.arange(0, 2 * HALF_SPAN)
@@ -135,23 +153,28 @@ def _dequantize4_kernel(codes_ptr, scales_ptr, out_ptr, block, HALF_SPAN: tl.con
              mask=offs < block)
 
 
+# The reduce kernels: program b sums block b of the K input rows (chunks), row j's at
+# codes_b + j * code_stride and scales_b + j * scale_stride, codes_b and scales_b being block b of
+# row 0; the result goes to block b of the output rows (their own stride and blocks per row).
+
 @triton.jit
-def _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask, N: tl.constexpr):
-    """acc plus INT8 chunks first .. first + N - 1 of block b, one chunk at a time in chunk order;
+def _add_chunks8(acc, codes_b, code_stride, scales_b, scale_stride, first, offs, mask, N: tl.constexpr):
+    """acc plus block b of INT8 chunks first .. first + N - 1, one chunk at a time in chunk order;
     unrolled, so the N chunks' loads are in flight at once."""
     for u in tl.static_range(N):
-        chunk_block = (first + u) * n_blocks + b
-        scale_j = tl.load(scales_ptr + chunk_block)
-        codes = tl.load(codes_ptr + chunk_block * block + offs, mask=mask, other=0)
+        j = tl.cast(first + u, tl.int64)  # j * code_stride can pass 2^31 (K messages of 16M codes)
+        scale_j = tl.load(scales_b + j * scale_stride)
+        codes = tl.load(codes_b + j * code_stride + offs, mask=mask, other=0)
         acc = acc + codes.to(tl.float32) * scale_j
     return acc
 
 
 @triton.jit(do_not_specialize=["K"])
-def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    n_blocks, block, K, QMAX: tl.constexpr, SPAN: tl.constexpr,
+def _reduce8_kernel(codes_ptr, code_stride, scales_ptr, scale_stride,
+                    out_codes_ptr, out_code_stride, out_scales_ptr, out_scale_stride, out_per_row,
+                    out_sum_ptr, res_ptr, block, K, QMAX: tl.constexpr, SPAN: tl.constexpr,
                     REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr):
-    """Sum the K INT8 chunks of block b in fp32 (chunk 0 first); requantize or store the sum.
+    """Sum block b of the K INT8 chunks in fp32 (chunk 0 first); requantize or store the sum.
 
     K is a runtime argument, not specialised on: one compiled kernel serves every group size. A loop
     unrolled over a compile-time K grew with K and took 117 s to compile for an MI250X (gfx90a, on
@@ -167,23 +190,26 @@ def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPAN)
     mask = offs < block
+    codes_b = codes_ptr + b * block
+    scales_b = scales_ptr + b
     acc = tl.zeros([SPAN], dtype=tl.float32)
     whole = K - K % UNROLL
     for first in range(0, whole, UNROLL):
-        acc = _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask, UNROLL)
+        acc = _add_chunks8(acc, codes_b, code_stride, scales_b, scale_stride, first, offs, mask, UNROLL)
     first = whole
     for halving in tl.static_range(1, UNROLL_LOG2 + 1):  # the rest: UNROLL / 2, UNROLL / 4, ..., 1
         if K - first >= UNROLL >> halving:
-            acc = _add_chunks8(acc, codes_ptr, scales_ptr, first, b, n_blocks, block, offs, mask,
+            acc = _add_chunks8(acc, codes_b, code_stride, scales_b, scale_stride, first, offs, mask,
                                UNROLL >> halving)
             first += UNROLL >> halving
     if REQUANTIZE:
         if HAS_RESIDUAL:
             acc = acc + tl.load(res_ptr + b * block + offs, mask=mask, other=0.0)
         scale = _block_scale(acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
-        tl.store(out_scales_ptr + b, scale)
+        tl.store(out_scales_ptr + _row_offset(b, out_per_row, out_scale_stride, 1), scale)
         codes = _encode(acc, scale, QMAX)
-        tl.store(out_codes_ptr + b * block + offs, codes.to(tl.int8), mask=mask)
+        tl.store(out_codes_ptr + _row_offset(b, out_per_row, out_code_stride, block) + offs,
+                 codes.to(tl.int8), mask=mask)
         if HAS_RESIDUAL:
             tl.store(res_ptr + b * block + offs, acc - codes.to(tl.float32) * scale, mask=mask)
     else:
@@ -191,23 +217,24 @@ def _reduce8_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
 
 
 @triton.jit
-def _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks, block, pairs, mask,
+def _add_chunks4(acc_lo, acc_hi, codes_b, code_stride, scales_b, scale_stride, first, pairs, mask,
                  N: tl.constexpr):
     """_add_chunks8 for packed INT4 chunks, their even and odd elements summed apart."""
     for u in tl.static_range(N):
-        chunk_block = (first + u) * n_blocks + b
-        scale_j = tl.load(scales_ptr + chunk_block)
-        byte = tl.load(codes_ptr + chunk_block * (block // 2) + pairs, mask=mask, other=0).to(tl.int32)
+        j = tl.cast(first + u, tl.int64)
+        scale_j = tl.load(scales_b + j * scale_stride)
+        byte = tl.load(codes_b + j * code_stride + pairs, mask=mask, other=0).to(tl.int32)
         acc_lo = acc_lo + _nibble(byte & 0xF).to(tl.float32) * scale_j
         acc_hi = acc_hi + _nibble(byte >> 4).to(tl.float32) * scale_j
     return acc_lo, acc_hi
 
 
 @triton.jit(do_not_specialize=["K"])
-def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_sum_ptr, res_ptr,
-                    n_blocks, block, K, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
+def _reduce4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride,
+                    out_codes_ptr, out_code_stride, out_scales_ptr, out_scale_stride, out_per_row,
+                    out_sum_ptr, res_ptr, block, K, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
                     REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr):
-    """Sum the K packed INT4 chunks of block b in fp32 (chunk 0 first); requantize or store (the
+    """Sum block b of the K packed INT4 chunks in fp32 (chunk 0 first); requantize or store (the
     loop over K: as _reduce8_kernel's; unrolled over a compile-time K, this one took 339 s to
     compile at K = 384).
 
@@ -217,17 +244,19 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HALF_SPAN)
     mask = pairs < block // 2
+    codes_b = codes_ptr + b * (block // 2)
+    scales_b = scales_ptr + b
     acc_lo = tl.zeros([HALF_SPAN], dtype=tl.float32)
     acc_hi = tl.zeros([HALF_SPAN], dtype=tl.float32)
     whole = K - K % UNROLL
     for first in range(0, whole, UNROLL):
-        acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks, block,
-                                      pairs, mask, UNROLL)
+        acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_b, code_stride, scales_b, scale_stride,
+                                      first, pairs, mask, UNROLL)
     first = whole
     for halving in tl.static_range(1, UNROLL_LOG2 + 1):  # the rest: UNROLL / 2, UNROLL / 4, ..., 1
         if K - first >= UNROLL >> halving:
-            acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_ptr, scales_ptr, first, b, n_blocks,
-                                          block, pairs, mask, UNROLL >> halving)
+            acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_b, code_stride, scales_b, scale_stride,
+                                          first, pairs, mask, UNROLL >> halving)
             first += UNROLL >> halving
     offs = tl.arange(0, 2 * HALF_SPAN)
     full_mask = offs < block
@@ -240,11 +269,12 @@ def _reduce4_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, out_su
         bits = tl.maximum(acc_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
                           acc_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         scale = _block_scale(bits, QMAX)
-        tl.store(out_scales_ptr + b, scale)
+        tl.store(out_scales_ptr + _row_offset(b, out_per_row, out_scale_stride, 1), scale)
         lo = _encode(acc_lo, scale, QMAX)
         hi = _encode(acc_hi, scale, QMAX)
         packed = (lo & 0xF) | ((hi & 0xF) << 4)
-        tl.store(out_codes_ptr + b * (block // 2) + pairs, packed.to(tl.uint8), mask=mask)
+        tl.store(out_codes_ptr + _row_offset(b, out_per_row, out_code_stride, block // 2) + pairs,
+                 packed.to(tl.uint8), mask=mask)
         if HAS_RESIDUAL:
             tl.store(res, _interleave(acc_lo - lo.to(tl.float32) * scale,
                                       acc_hi - hi.to(tl.float32) * scale, HALF_SPAN), mask=full_mask)
@@ -287,58 +317,44 @@ class TritonQuantizer(Quantizer):
             raise QuantizationError(
                 f"the triton quantizer needs a CUDA/ROCm tensor (or TRITON_INTERPRET=1); got {t.device}")
 
-    def _quantize(self, x: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    def _quantize(self, x: Tensor, bits: int, block: int, codes: Tensor, scales: Tensor) -> None:
         self._check_device(x)
         n_blocks = x.numel() // block
-        codes = torch.empty(x.numel() if bits == 8 else x.numel() // 2, dtype=codes_dtype(bits),
-                            device=x.device)
-        scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
         if n_blocks:
             kernel = _quantize8_kernel if bits == 8 else _quantize4_kernel
-            kernel[(n_blocks,)](x, codes, scales, block, float(qmax(bits)), _span(bits, block))
-        return codes, scales
+            kernel[(n_blocks,)](x, codes, codes.stride(0), scales, scales.stride(0), scales.shape[1],
+                                block, float(qmax(bits)), _span(bits, block))
 
-    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int,
-                    dtype: torch.dtype) -> Tensor:
+    def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int, out: Tensor) -> None:
         self._check_device(codes)
-        n_blocks = scales.numel()
-        out = torch.empty(n_blocks * block, dtype=dtype, device=codes.device)
+        n_blocks = out.numel() // block
         if n_blocks:
             kernel = _dequantize8_kernel if bits == 8 else _dequantize4_kernel
-            kernel[(n_blocks,)](codes, scales, out, block, _span(bits, block))
-        return out
+            kernel[(n_blocks,)](codes, codes.stride(0), scales, scales.stride(0), scales.shape[1], out,
+                                block, _span(bits, block))
 
-    def _reduce(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int, block: int,
-                requantize: bool, residual: Optional[Tensor] = None
-                ) -> tuple[Tensor, Tensor, Tensor]:
+    def _reduce(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int, requantize: bool,
+                codes: Tensor, scales: Tensor, total: Tensor, residual: Optional[Tensor] = None) -> None:
+        """Sum the rows of codes_k/scales_k: requantized into the rows codes/scales, or into the flat
+        fp32 total. The other mode's outputs are not touched (any valid tensors)."""
         self._check_device(codes_k)
-        n_blocks = scales_k.numel() // k
-        device = codes_k.device
-        numel = n_blocks * block
-        if requantize:
-            codes = torch.empty(numel if bits == 8 else numel // 2, dtype=codes_dtype(bits),
-                                device=device)
-            scales = torch.empty(n_blocks, dtype=torch.float32, device=device)
-            total = scales  # unused by the kernel in this mode; any valid pointer
-        else:
-            total = torch.empty(numel, dtype=torch.float32, device=device)
-            codes, scales = total, total  # unused in this mode
+        n_blocks = scales_k.shape[1]
         if n_blocks:
             kernel = _reduce8_kernel if bits == 8 else _reduce4_kernel
-            res = residual if residual is not None else scales  # unused without a residual
-            kernel[(n_blocks,)](codes_k, scales_k, codes, scales, total, res, n_blocks, block, k,
-                                float(qmax(bits)), _span(bits, block), requantize,
-                                residual is not None, REDUCE_UNROLL_LOG2, enable_fp_fusion=False)
-        return codes, scales, total
+            res = residual if residual is not None else total  # unused without a residual
+            kernel[(n_blocks,)](codes_k, codes_k.stride(0), scales_k, scales_k.stride(0),
+                                codes, codes.stride(0), scales, scales.stride(0), scales.shape[1],
+                                total, res, block, codes_k.shape[0], float(qmax(bits)), _span(bits, block),
+                                requantize, residual is not None, REDUCE_UNROLL_LOG2, enable_fp_fusion=False)
 
-    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                           block: int, residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        codes, scales, _ = self._reduce(codes_k, scales_k, k, bits, block, True, residual)
-        return codes, scales
+    def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                           residual: Optional[Tensor], codes: Tensor, scales: Tensor) -> None:
+        self._reduce(codes_k, scales_k, bits, block, True, codes, scales, scales, residual)
 
-    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, k: int, bits: int,
-                        block: int) -> Tensor:
-        return self._reduce(codes_k, scales_k, k, bits, block, requantize=False)[2]
+    def _dequantize_sum(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
+                        out: Tensor) -> None:
+        unused = out.view(1, -1)  # as the output rows, which this mode does not write
+        self._reduce(codes_k, scales_k, bits, block, False, unused, unused, out)
 
     def _rotate(self, x: Tensor, block: int) -> Tensor:
         self._check_device(x)
