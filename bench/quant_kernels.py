@@ -13,7 +13,8 @@ memory bound: issue 26's goals are 60% for quantize and dequantize, 40% for redu
 Implementations: reference and cpp on CPU; triton on a CUDA/ROCm device (`--device cuda`).
 `--baseline-kernels FILE` adds `baseline`: the Triton kernels of another version of
 megatron/ops/quant/triton_kernels.py, timed by the same clock in the same run (an A/B of a kernel
-change; its output is first compared with the reference's, bit for bit):
+change; its output is first compared with the reference's, bit for bit). The file must implement
+the rows hooks (megatron/ops/quant/base.py; from 62dd09b on); an older one is refused in one line:
 
     mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
     python bench/quant_kernels.py --device cuda --sizes 16M --impls triton,baseline \
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import time
 from typing import Callable, Optional
@@ -140,6 +142,11 @@ def load_baseline(path: str) -> Quantizer:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    hook = inspect.signature(module.TritonQuantizer._quantize).parameters
+    if "codes" not in hook:  # returns its codes instead of writing them into the rows it is given
+        raise SystemExit(f"{path}: its kernels have the hooks of before 62dd09b (they return encoded data; this "
+                         f"checkout's Quantizer hands them rows to write into): port it to the rows hooks, or "
+                         f"time it with the bench of its own commit")
     return module.TritonQuantizer()
 
 

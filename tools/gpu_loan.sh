@@ -13,7 +13,9 @@
 #   PYTHON             the interpreter, as for gpu_check.sh
 # The device gets no git history, so step 2's file is made here and carried:
 #   mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
-# Without it, step 2 says so in kernels_ab.log and the rest runs.
+# Without it, step 2 says so in kernels_ab.log and the rest runs. Since 62dd09b the kernels write into
+# rows (megatron/ops/quant/base.py) and a file from before it is refused in one line (kernels_ab.log):
+# 145ef0a^'s stride-2 kernels need porting to the rows hooks before this A/B can run again.
 # Exit: gpu_check.sh's code (77: no GPU, nothing else run). docs/gpu.md, "After", has the call.
 set -uo pipefail
 
