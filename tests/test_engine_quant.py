@@ -96,14 +96,15 @@ def test_messages_are_codes_then_scales(bits, block):
     buf = outbox.sealed()
     per = message_bytes(2 * block, bits, block)
     ncodes = 2 * block * bits // 8
-    assert buf.dtype == torch.uint8 and buf.numel() == k * per and per == ncodes + 4 * 2
+    assert buf.element_size() == 1 and buf.numel() == k * per and per == ncodes + 4 * 2
+    buf = buf.view(torch.uint8)  # the bytes (the buffer has the codes' dtype)
     for j in range(k):  # message j: the codes of chunk j, then its two fp32 scales
         assert torch.equal(buf[j * per: j * per + ncodes], codes.view(torch.uint8)[j * ncodes:(j + 1) * ncodes])
         assert torch.equal(buf[j * per + ncodes:(j + 1) * per].clone().view(torch.float32), scales[2 * j: 2 * j + 2])
     back_codes, back_scales = received_rows(buf, k, bits, block)
     assert torch.equal(back_codes.reshape(-1), codes) and torch.equal(back_scales.reshape(-1), scales)
     # Two of the k messages merged into one message of their chunks: same codes and scales.
-    merged = merge_messages(buf, k, 1, 2, bits, block)
+    merged = merge_messages(buf, k, 1, 2, bits, block).view(torch.uint8)
     assert torch.equal(merged[:2 * ncodes], codes.view(torch.uint8)[ncodes:])
     assert torch.equal(merged[2 * ncodes:].clone().view(torch.float32), scales[2:])
 
@@ -365,7 +366,7 @@ def test_error_feedback_residuals_are_memory(eight):
     # zeropp qgZ: the rail hop (across nodes) S/4 only; the secondary copy is one INT8 message of S/4.
     assert zpp["error_feedback"] == sum(4 * (s // 4) for s in sizes)
     assert zpp["secondary"] == sum(_msg(s // 4, 8) for s in sizes)
-    assert eight[0]["secondary_dtype"] == "torch.uint8"
+    assert eight[0]["secondary_dtype"] == "torch.int8"  # bytes, in the INT8 codes' dtype (quantized.Outbox)
 
 
 def test_error_feedback_bounds_the_running_error(eight):

@@ -65,19 +65,19 @@ def quantized_piece_chain(qcomm, grad: torch.Tensor, hops: list[tuple[RankGroup,
         if residual is not None:
             view = residual.view(remaining, -1)[:, a:b]
             mine = view if view.is_contiguous() else view.contiguous()
-            copies.append((view, mine))
+            if mine is not view:
+                copies.append((view, mine))
             residual = mine.view(-1)
         piece_hops.append((group, residual))
         remaining //= group.size
-    return _write_back(qcomm.reduce_chain(piece_of(grad, rows, a, b), piece_hops, phase, bits, residual_scale),
-                       copies)
+    chain = qcomm.reduce_chain(piece_of(grad, rows, a, b), piece_hops, phase, bits, residual_scale)
+    return _write_back(chain, copies) if copies else chain  # no generator layer per hop when nothing is copied
 
 
 def _write_back(chain: Chain, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Chain:
     result = yield from chain
     for view, mine in copies:
-        if mine.data_ptr() != view.data_ptr():
-            view.copy_(mine)
+        view.copy_(mine)
     return result
 
 

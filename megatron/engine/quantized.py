@@ -1,7 +1,7 @@
 """Quantized collectives of the engine (docs/engine.md, "Quantized collectives").
 
 - The bits of every quantizable phase come from the run's ``megatron.config.quant_spec.QuantSpec``.
-- Messages: a chunk of n elements travels as ONE uint8 buffer, its codes (n bytes at 8 bits, n/2 at
+- Messages: a chunk of n elements travels as ONE byte buffer (of the codes' dtype), its codes (n bytes at 8 bits, n/2 at
   4) followed by its n/b fp32 scales as bytes, so the ledger charges exactly what is sent. The
   kernels encode into a send buffer's messages and decode received ones where they lie (rows of
   the buffer): no message is packed or unpacked by a copy.
@@ -31,7 +31,7 @@ from megatron.engine.grad_reduce import Chain, run_to_end
 
 
 # ---------------------------------------------------------------------------------------------------
-# Messages: codes then scales, one uint8 buffer, written and read in place by the kernels
+# Messages: codes then scales, one byte buffer, written and read in place by the kernels
 # ---------------------------------------------------------------------------------------------------
 
 message_bytes = record_bytes  # a chunk of n elements travels as n x bits/8 code bytes + 4 n/block
@@ -47,7 +47,8 @@ class Outbox:
 
     def __init__(self, k: int, numel: int, bits: int, block: int, device: torch.device):
         self.k = k
-        self.buf = torch.empty(k * message_bytes(numel // k, bits, block), dtype=torch.uint8, device=device)
+        # bytes in the codes' own dtype (int8 at INT8): one view fewer to make the rows (interleaved_rows)
+        self.buf = torch.empty(k * message_bytes(numel // k, bits, block), dtype=codes_dtype(bits), device=device)
         rows = interleaved_rows(self.buf, k, bits, block)
         self._staged = rows is None
         if rows is None:
@@ -59,7 +60,8 @@ class Outbox:
         """The buffer, its messages complete."""
         if self._staged:
             codes, scales = self.rows
-            self.buf.view(self.k, -1).copy_(torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1))
+            self.buf.view(torch.uint8).view(self.k, -1).copy_(
+                torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1))
         return self.buf
 
 
@@ -69,10 +71,9 @@ def received_rows(buf: torch.Tensor, k: int, bits: int, block: int) -> tuple[tor
     rows = interleaved_rows(buf, k, bits, block)
     if rows is not None:
         return rows
-    records = buf.view(k, -1)
+    records = buf.view(torch.uint8).view(k, -1)
     ncodes = codes_numel(_chunk_numel(records.shape[1], bits, block), bits)
-    codes = records[:, :ncodes].clone()
-    return (codes.view(torch.int8) if bits == 8 else codes), records[:, ncodes:].clone().view(torch.float32)
+    return records[:, :ncodes].clone().view(codes_dtype(bits)), records[:, ncodes:].clone().view(torch.float32)
 
 
 def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits: int, block: int) -> torch.Tensor:
@@ -119,7 +120,7 @@ class QuantizedCollectives:
         return self.quantizer.dequantize(codes, scales, bits, self.block, dtype=dtype)
 
     def message(self, x: torch.Tensor, bits: int) -> torch.Tensor:
-        """One chunk of weights as its uint8 message (a NaN/inf block travels as its NaN/inf scale)."""
+        """One chunk of weights as its message (a NaN/inf block travels as its NaN/inf scale)."""
         outbox = Outbox(1, x.numel(), bits, self.block, x.device)
         self.quantizer.quantize(x.contiguous(), bits, self.block, check_finite=False, out=outbox.rows)
         return outbox.sealed()
@@ -135,7 +136,7 @@ class QuantizedCollectives:
     def start_all_gather_messages(self, message: torch.Tensor, group: RankGroup, phase: str
                                   ) -> tuple[torch.Tensor, dict[str, int], Pending]:
         """``all_gather_messages`` issued asynchronously: ``received`` is valid after ``wait()``."""
-        received = torch.empty(message.numel() * group.size, dtype=torch.uint8, device=message.device)
+        received = torch.empty(message.numel() * group.size, dtype=message.dtype, device=message.device)
         charges, pending = self.comm.start_all_gather(received, message, group, phase)
         return received, charges, pending
 

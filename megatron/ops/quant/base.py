@@ -26,6 +26,7 @@ is its own inverse, so rotating twice gives back the input up to fp32 rounding.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -192,22 +193,32 @@ def record_bytes(numel: int, bits: int, block: int) -> int:
     return codes_numel(numel, bits) + 4 * (numel // block)
 
 
-def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[tuple[Tensor, Tensor]]:
-    """A flat uint8 buffer of ``rows`` equal records, each a row's codes followed by its fp32 scales
-    (the engine's messages), as (codes rows, scales rows): views the kernels read and write in place.
-    None when the scales cannot be viewed as fp32 (a record or its codes not a multiple of 4 bytes,
-    e.g. INT4 with an odd number of blocks of 2); the caller then copies."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % rows:
-        raise QuantizationError(f"records must be a contiguous 1-D uint8 buffer of {rows} equal records")
-    size = buf.numel() // rows
+@functools.lru_cache(maxsize=None)
+def _record_code_bytes(size: int, bits: int, block: int) -> Optional[int]:
+    """The code bytes of a record of ``size`` bytes, or None where its scales cannot be viewed as
+    fp32 (cached: the engine asks per hop, for few distinct sizes)."""
     per_block = record_bytes(block, bits, block)
     if size % per_block:
         raise QuantizationError(f"a record of {size} bytes is not whole INT{bits} blocks of {block}")
-    code_bytes = size // per_block * (block if bits == 8 else block // 2)
-    if size % 4 or code_bytes % 4 or buf.storage_offset() % 4:
+    code_bytes = size // per_block * codes_numel(block, bits)
+    return code_bytes if size % 4 == 0 and code_bytes % 4 == 0 else None
+
+
+def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[tuple[Tensor, Tensor]]:
+    """A flat byte buffer (uint8, or int8) of ``rows`` equal records, each a row's codes followed by
+    its fp32 scales (the engine's messages), as (codes rows, scales rows): views the kernels read and
+    write in place. None when the scales cannot be viewed as fp32 (a record or its codes not a
+    multiple of 4 bytes, e.g. INT4 with an odd number of blocks of 2); the caller then copies.
+    A buffer of the codes' own dtype (``codes_dtype(bits)``) saves one view per call."""
+    if buf.element_size() != 1 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % rows:
+        raise QuantizationError(f"records must be a contiguous 1-D byte buffer of {rows} equal records")
+    size = buf.numel() // rows
+    code_bytes = _record_code_bytes(size, bits, block)
+    if code_bytes is None or buf.storage_offset() % 4:
         return None
     # one strided view each (fewer tensor ops than a view, slices and dtype views: this runs per hop)
-    codes = (buf.view(torch.int8) if bits == 8 else buf).as_strided((rows, code_bytes), (size, 1))
+    want = torch.int8 if bits == 8 else torch.uint8
+    codes = (buf if buf.dtype == want else buf.view(want)).as_strided((rows, code_bytes), (size, 1))
     as_floats = buf.view(torch.float32)
     scales = as_floats.as_strided((rows, (size - code_bytes) // 4), (size // 4, 1),
                                   as_floats.storage_offset() + code_bytes // 4)
