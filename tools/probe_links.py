@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Measure the figures the step-time model reads, on the running job (docs/time_model.md, "The probe").
 
-    # on the emulated cluster: 2 nodes x 2 GPUs x 2 GCDs, one process per rank
-    python tools/emulate_cluster.py --nodes 2 --ranks-per-node 4 --rate 300mbit --command \\
-        ".venv/bin/python tools/probe_links.py --layout 2 2 2 --out /tmp/probe.json"
+    # on the three-tier emulated cluster: 2 nodes x 2 GPUs x 2 GCDs, one process per rank (the pair
+    # on loopback, GPU links at --gpu-rate, node links at --rate; without --gpus-per-node every rank
+    # of a node shares one loopback and the intra_gpu and intra_node fits measure the same thing)
+    python tools/emulate_cluster.py --nodes 2 --gpus-per-node 2 --ranks-per-node 4 --rate 640mbit \\
+        --gpu-rate 640mbit --command ".venv/bin/python tools/probe_links.py --layout 2 2 2 --out /tmp/probe.json"
     # on Frontier, inside an allocation of 8 nodes (after `source tools/slurm/frontier/env.sh`)
     srun -N 8 -n 64 -c7 --gpus-per-task=1 --gpu-bind=closest python tools/probe_links.py --layout 8 4 2 \\
         --dtype bf16 --model 2 6144 64 2048 50432 4 --out probe.json

@@ -209,6 +209,14 @@ def _score(row: PlanRow) -> tuple:
     return (row.time.total_s, row.bytes_per_tier.get("inter_node", 0.0), tuple(-f for f in row.factors))
 
 
+def choose(rows: Sequence[PlanRow]) -> Optional[PlanRow]:
+    """The row the search picks among timed ``rows``: the fastest that fits (ties: fewer inter-node
+    bytes, then the larger factors); None when none fits. Also for a list the caller chose (the
+    layouts a benchmark measured)."""
+    feasible = [r for r in rows if r.feasible]
+    return min(feasible, key=_score) if feasible else None
+
+
 def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] = ("none",),
            checkpointing: Sequence[bool] = (True,), include_zeropp: bool = True,
            quants: Optional[dict] = None, exhaustive: bool = False) -> Plan:
@@ -224,9 +232,7 @@ def search(tiers: Sequence[int], inputs: PlanInputs, quant_names: Sequence[str] 
                 spec = comm_spec(candidate, inputs)
                 row = _memory_row(candidate, spec, inputs)
                 rows.append(_timed_row(row, spec, inputs) if row.feasible or exhaustive else row)
-    feasible = [r for r in rows if r.feasible]
-    return Plan(tuple(rows), min(feasible, key=_score) if feasible else None, inputs.memory_budget,
-                inputs.hardware.source)
+    return Plan(tuple(rows), choose(rows), inputs.memory_budget, inputs.hardware.source)
 
 
 def ranked(plan: Plan, inputs: PlanInputs, top: int = 0) -> list:
