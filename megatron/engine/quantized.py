@@ -21,11 +21,10 @@ from typing import Optional
 import torch
 
 from megatron.ops.quant import codes_dtype, codes_numel, get_quantizer
-from megatron.ops.quant.base import interleaved_rows, record_bytes
+from megatron.ops.quant.base import interleaved_rows, record_bytes, record_numel
 from megatron.config.quant_spec import QuantSpec
 from megatron.topology.groups import RankGroup
 from megatron.engine.comm import Communicator, Pending
-from megatron.engine.flat_unit import EngineError
 from megatron.engine.grad_reduce import Chain, run_to_end
 
 
@@ -72,7 +71,7 @@ def received_rows(buf: torch.Tensor, k: int, bits: int, block: int) -> tuple[tor
     if rows is not None:
         return rows
     records = buf.view(torch.uint8).view(k, -1)
-    ncodes = codes_numel(_chunk_numel(records.shape[1], bits, block), bits)
+    ncodes = codes_numel(record_numel(records.shape[1], bits, block), bits)
     return records[:, :ncodes].clone().view(codes_dtype(bits)), records[:, ncodes:].clone().view(torch.float32)
 
 
@@ -80,7 +79,7 @@ def merge_messages(received: torch.Tensor, k: int, first: int, count: int, bits:
     """Messages ``first .. first+count-1`` of k received ones as ONE message of their concatenated
     chunks: the same codes and scales, no re-quantization (zeropp's INT8 secondary copy)."""
     codes, scales = received_rows(received, k, bits, block)
-    chunk_numel = _chunk_numel(received.numel() // k, bits, block)
+    chunk_numel = record_numel(received.numel() // k, bits, block)
     merged = Outbox(1, count * chunk_numel, bits, block, received.device)
     merged.rows[0].copy_(codes[first:first + count].reshape(1, -1))
     merged.rows[1].copy_(scales[first:first + count].reshape(1, -1))
@@ -205,14 +204,6 @@ class QuantizedCollectives:
                     residual.div_(residual_scale)
         total = quantizer.dequantize_sum(codes_k, scales_k, hops[-1][0].size, widths[-1], block)
         return quantizer.rotate(total, block) if self.rotate_gradients else total
-
-
-def _chunk_numel(message_nbytes: int, bits: int, block: int) -> int:
-    """Elements of a chunk whose message has ``message_nbytes`` bytes (inverse of message_bytes)."""
-    per_block = message_bytes(block, bits, block)
-    if message_nbytes % per_block:
-        raise EngineError(f"{message_nbytes} bytes is not a whole number of {bits}-bit blocks of {block}")
-    return message_nbytes // per_block * block
 
 
 def qgz_swizzle(x: torch.Tensor, nodes: int, ranks_per_node: int) -> torch.Tensor:

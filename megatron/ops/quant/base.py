@@ -194,14 +194,13 @@ def record_bytes(numel: int, bits: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _record_code_bytes(size: int, bits: int, block: int) -> Optional[int]:
-    """The code bytes of a record of ``size`` bytes, or None where its scales cannot be viewed as
-    fp32 (cached: the engine asks per hop, for few distinct sizes)."""
+def record_numel(size: int, bits: int, block: int) -> int:
+    """Values encoded by a record of ``size`` bytes (the inverse of ``record_bytes``; cached: the
+    engine asks per hop, for few distinct sizes)."""
     per_block = record_bytes(block, bits, block)
     if size % per_block:
         raise QuantizationError(f"a record of {size} bytes is not whole INT{bits} blocks of {block}")
-    code_bytes = size // per_block * codes_numel(block, bits)
-    return code_bytes if size % 4 == 0 and code_bytes % 4 == 0 else None
+    return size // per_block * block
 
 
 def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[tuple[Tensor, Tensor]]:
@@ -213,8 +212,8 @@ def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[
     if buf.element_size() != 1 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % rows:
         raise QuantizationError(f"records must be a contiguous 1-D byte buffer of {rows} equal records")
     size = buf.numel() // rows
-    code_bytes = _record_code_bytes(size, bits, block)
-    if code_bytes is None or buf.storage_offset() % 4:
+    code_bytes = codes_numel(record_numel(size, bits, block), bits)
+    if size % 4 or code_bytes % 4 or buf.storage_offset() % 4:  # scales not viewable as fp32
         return None
     # one strided view each (fewer tensor ops than a view, slices and dtype views: this runs per hop)
     want = torch.int8 if bits == 8 else torch.uint8
