@@ -26,12 +26,13 @@ from megatron.engine.settings import EngineSettings
 from megatron.topology.layout import ShardLayout
 from megatron.config.schema import NeoXConfig, OptimizerConfig, ZeroConfig
 from megatron.engine import lm_loss
+from megatron.ops.quant import get_quantizer
+from megatron.ops.quant.base import read_records, record_geometry
 from megatron.ops.quant.reference import ReferenceQuantizer
 from megatron.topology import ProcessGroups, Topology
 from megatron.engine import Communicator, ZeroTopoEngine
 from megatron.logging.host_syncs import HostSyncs
-from megatron.engine.quantized import (Outbox, QuantizedCollectives, merge_messages, message_bytes, qgz_swizzle,
-                                      received_rows)
+from megatron.engine.quantized import QuantizedCollectives, merge_messages, message_bytes, new_messages, qgz_swizzle
 from megatron.config.quant_spec import QuantSpec, QuantSpecError
 from test_engine import build_model, make_batch
 
@@ -82,18 +83,19 @@ def test_settings_refusals():
     QuantSpec(weight_gather_bits=8, block_size=63)  # INT8 does not need an even block
 
 
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
 @pytest.mark.parametrize("bits, block", [(8, 8), (4, 8), (8, 3), (4, 2)])  # 3, 2: scales off 4-byte bounds
-def test_messages_are_codes_then_scales(bits, block):
+def test_messages_are_codes_then_scales(bits, block, impl):
     """A chunk's message is its codes then its fp32 scales as raw bytes, checked byte by byte against
-    the reference's flat encoding; the kernels write into the messages (Outbox) and read them where
-    they arrived (received_rows), and the odd layouts whose scales cannot be viewed in place give
-    the same bytes through copies."""
-    quantizer, k = ReferenceQuantizer(), 3
+    the reference's flat encoding; the kernels' records forms write the messages (quantize_records),
+    read them where they arrived (dequantize_*_records, reduce_requantize_records) and agree bit for
+    bit with the flat forms, through copies where the scales cannot be viewed in place (the C++
+    kernels take the buffer itself)."""
+    quantizer, reference, k = get_quantizer(impl), ReferenceQuantizer(), 3
     x = torch.randn(k * 2 * block, generator=torch.Generator().manual_seed(bits))
-    codes, scales = quantizer.quantize(x, bits, block)
-    outbox = Outbox(k, x.numel(), bits, block, x.device)
-    quantizer.quantize(x, bits, block, out=outbox.rows)
-    buf = outbox.sealed()
+    codes, scales = reference.quantize(x, bits, block)
+    buf = quantizer.quantize_records(x, new_messages(k, x.numel(), bits, block, x.device), k, bits, block)
+    assert record_geometry(buf.numel(), k, bits, block)[1] == (block not in (3, 2))  # the odd layouts: copies
     per = message_bytes(2 * block, bits, block)
     ncodes = 2 * block * bits // 8
     assert buf.element_size() == 1 and buf.numel() == k * per and per == ncodes + 4 * 2
@@ -101,8 +103,21 @@ def test_messages_are_codes_then_scales(bits, block):
     for j in range(k):  # message j: the codes of chunk j, then its two fp32 scales
         assert torch.equal(buf[j * per: j * per + ncodes], codes.view(torch.uint8)[j * ncodes:(j + 1) * ncodes])
         assert torch.equal(buf[j * per + ncodes:(j + 1) * per].clone().view(torch.float32), scales[2 * j: 2 * j + 2])
-    back_codes, back_scales = received_rows(buf, k, bits, block)
+    back_codes, back_scales = read_records(buf, k, bits, block)
     assert torch.equal(back_codes.reshape(-1), codes) and torch.equal(back_scales.reshape(-1), scales)
+    out = quantizer.dequantize_records(buf, k, bits, block, torch.empty(x.numel(), dtype=torch.bfloat16))
+    assert torch.equal(out, reference.dequantize(codes, scales, bits, block, dtype=torch.bfloat16))
+    summed = quantizer.dequantize_sum_records(buf, k, bits, block)
+    assert torch.equal(summed, reference.dequantize_sum(codes, scales, k, bits, block))
+    residual_flat = torch.full((2 * block,), 0.25)
+    flat_codes, flat_scales = reference.reduce_requantize(codes, scales, k, bits, block, residual=residual_flat)
+    for k_out in (1, 2):  # into the next hop's k_out messages: block i of the sum in message i // (2 / k_out)
+        residual = torch.full((2 * block,), 0.25)
+        out = quantizer.reduce_requantize_records(buf, k, bits, block, new_messages(k_out, 2 * block, bits, block,
+                                                  x.device), k_out, residual=residual)
+        back_codes, back_scales = read_records(out, k_out, bits, block)
+        assert torch.equal(back_codes.reshape(-1), flat_codes) and torch.equal(back_scales.reshape(-1), flat_scales)
+        assert torch.equal(residual, residual_flat)
     # Two of the k messages merged into one message of their chunks: same codes and scales.
     merged = merge_messages(buf, k, 1, 2, bits, block).view(torch.uint8)
     assert torch.equal(merged[:2 * ncodes], codes.view(torch.uint8)[ncodes:])
@@ -121,10 +136,10 @@ def test_non_finite_values_travel_as_their_scale_and_nothing_waits_for_the_devic
     x = torch.tensor([7.0, -7.0, float("inf"), 1.0, 7.0, 0.0, 0.0, -7.0])  # scale 1 in block 1: exact codes
     residual = torch.zeros(8)
     with HostSyncs() as reads:
-        codes, scales = qc.encode(x, 4, residual)
+        sent = qc.encode(x, 4, new_messages(1, 8, 4, 4, x.device), 1, residual)
         message = qc.message(x, 8)
     assert reads.count == 0
-    decoded = qc.quantizer.dequantize(codes, scales, 4, 4)
+    decoded = qc.quantizer.dequantize(*read_records(sent, 1, 4, 4), 4, 4)
     assert not torch.isfinite(decoded[:4]).any() and decoded[4:].tolist() == [7.0, 0.0, 0.0, -7.0]
     assert not torch.isfinite(residual[:4]).all() and torch.equal(residual[4:], torch.zeros(4))
     weights = torch.empty(8)
@@ -366,7 +381,7 @@ def test_error_feedback_residuals_are_memory(eight):
     # zeropp qgZ: the rail hop (across nodes) S/4 only; the secondary copy is one INT8 message of S/4.
     assert zpp["error_feedback"] == sum(4 * (s // 4) for s in sizes)
     assert zpp["secondary"] == sum(_msg(s // 4, 8) for s in sizes)
-    assert eight[0]["secondary_dtype"] == "torch.int8"  # bytes, in the INT8 codes' dtype (quantized.Outbox)
+    assert eight[0]["secondary_dtype"] == "torch.int8"  # bytes, in the INT8 codes' dtype (quantized.new_messages)
 
 
 def test_error_feedback_bounds_the_running_error(eight):

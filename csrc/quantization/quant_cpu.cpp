@@ -1,7 +1,7 @@
 // Block quantization CPU kernels: INT8 and packed INT4, one fp32 scale per block.
 //
 // Registered with TORCH_LIBRARY as torch.ops.neox_quant.{quantize, dequantize, reduce_requantize,
-// dequantize_sum, hadamard}; encoded data in and out as rows (struct Rows); loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
+// dequantize_sum, hadamard} and the *_records forms; encoded data in and out as rows (struct Rows); loaded by megatron/ops/quant/cpp.py. The format and its rounding rule are
 // documented in megatron/ops/quant/base.py; every result here must equal the torch reference
 // (megatron/ops/quant/reference.py) bit for bit, which is why the build must not use -ffast-math
 // (it would allow reciprocal division and reassociation) and uses -ffp-contract=off (a fused
@@ -160,6 +160,26 @@ Rows rows_of(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, in
               scales.stride(0), codes.size(0), scales.size(1), block_bytes};
 }
 
+// k records of one contiguous byte buffer (the engine's messages), each its chunk's codes then its
+// fp32 scales: the same Rows, made from the buffer and its geometry, so the caller makes no views.
+// The scales must lie on 4-byte bounds (a record and its codes whole multiples of 4 bytes, the
+// buffer aligned); the Python side sends the other layouts through staged copies.
+Rows records_of(const at::Tensor& buf, int64_t k, int64_t bits, int64_t block) {
+  check_args(bits, block);
+  TORCH_CHECK(buf.dim() == 1 && buf.is_contiguous() && buf.element_size() == 1 && k >= 1 && buf.numel() % k == 0,
+              "neox_quant: records must be a contiguous 1-D byte buffer of k equal records");
+  const int64_t record = buf.numel() / k;
+  const int64_t block_bytes = bits == 8 ? block : block / 2;
+  const int64_t per_block = block_bytes + 4;
+  TORCH_CHECK(record % per_block == 0, "neox_quant: a record of ", record, " bytes is not whole blocks");
+  const int64_t per_row = record / per_block;
+  const int64_t code_bytes = per_row * block_bytes;
+  uint8_t* base = static_cast<uint8_t*>(buf.data_ptr());
+  TORCH_CHECK(record % 4 == 0 && code_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 4 == 0,
+              "neox_quant: the records' scales do not lie on 4-byte bounds");
+  return Rows{base, record, reinterpret_cast<float*>(base + code_bytes), record / 4, k, per_row, block_bytes};
+}
+
 void check_flat(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() == numel, "neox_quant: ", what,
               " must be contiguous 1-D of ", numel, " elements");
@@ -168,9 +188,7 @@ void check_flat(const at::Tensor& t, int64_t numel, const char* what) {
 // Grain: enough blocks per task that a task touches at least ~64 KiB of input.
 int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, 16384 / block); }
 
-void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
-              int64_t block) {
-  const Rows out = rows_of(codes, scales, bits, block);
+void quantize_rows(const at::Tensor& x, const Rows& out, int64_t bits, int64_t block) {
   check_flat(x, out.blocks() * block, "x");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "neox_quantize", [&] {
     const scalar_t* x_ptr = x.data_ptr<scalar_t>();
@@ -181,9 +199,7 @@ void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   });
 }
 
-void dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block,
-                const at::Tensor& out) {
-  const Rows in = rows_of(codes, scales, bits, block);
+void dequantize_rows(const Rows& in, int64_t bits, int64_t block, const at::Tensor& out) {
   check_flat(out, in.blocks() * block, "out");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "neox_dequantize", [&] {
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -201,9 +217,7 @@ void sum_chunks(const Rows& in, int64_t b, int64_t bits, int64_t block, float* a
     accumulate_block(in.codes_at(j, b), *in.scale_at(j, b), block, bits, acc);
 }
 
-void dequantize_sum(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
-                    int64_t block, const at::Tensor& out) {
-  const Rows in = rows_of(codes_k, scales_k, bits, block);
+void dequantize_sum_rows(const Rows& in, int64_t bits, int64_t block, const at::Tensor& out) {
   check_flat(out, in.per_row * block, "out");
   TORCH_CHECK(out.scalar_type() == at::kFloat, "neox_quant: out must be float32");
   float* out_ptr = out.data_ptr<float>();
@@ -215,11 +229,8 @@ void dequantize_sum(const at::Tensor& codes_k, const at::Tensor& scales_k, int64
 // Fused k-chunk reduction into the rows (codes, scales). With a residual (error feedback): quantize
 // sum + residual, then store in the residual what that quantization lost, block by block while the
 // sums are in cache.
-void reduce_requantize(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
-                       int64_t block, const std::optional<at::Tensor>& residual,
-                       const at::Tensor& codes, const at::Tensor& scales) {
-  const Rows in = rows_of(codes_k, scales_k, bits, block);
-  const Rows out = rows_of(codes, scales, bits, block);
+void reduce_requantize_rows(const Rows& in, int64_t bits, int64_t block, const std::optional<at::Tensor>& residual,
+                            const Rows& out) {
   TORCH_CHECK(out.blocks() == in.per_row, "neox_quant: the output rows hold ", out.blocks(),
               " blocks, one chunk has ", in.per_row);
   float* residual_ptr = nullptr;
@@ -245,6 +256,47 @@ void reduce_requantize(const at::Tensor& codes_k, const at::Tensor& scales_k, in
       }
     }
   });
+}
+
+// The ops: encoded data as (codes, scales) rows, or as k records of one byte buffer (records_of).
+void quantize(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+              int64_t block) {
+  quantize_rows(x, rows_of(codes, scales, bits, block), bits, block);
+}
+
+void dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block,
+                const at::Tensor& out) {
+  dequantize_rows(rows_of(codes, scales, bits, block), bits, block, out);
+}
+
+void dequantize_sum(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
+                    int64_t block, const at::Tensor& out) {
+  dequantize_sum_rows(rows_of(codes_k, scales_k, bits, block), bits, block, out);
+}
+
+void reduce_requantize(const at::Tensor& codes_k, const at::Tensor& scales_k, int64_t bits,
+                       int64_t block, const std::optional<at::Tensor>& residual,
+                       const at::Tensor& codes, const at::Tensor& scales) {
+  reduce_requantize_rows(rows_of(codes_k, scales_k, bits, block), bits, block, residual,
+                         rows_of(codes, scales, bits, block));
+}
+
+void quantize_records(const at::Tensor& x, const at::Tensor& buf, int64_t k, int64_t bits, int64_t block) {
+  quantize_rows(x, records_of(buf, k, bits, block), bits, block);
+}
+
+void dequantize_records(const at::Tensor& buf, int64_t k, int64_t bits, int64_t block, const at::Tensor& out) {
+  dequantize_rows(records_of(buf, k, bits, block), bits, block, out);
+}
+
+void dequantize_sum_records(const at::Tensor& buf, int64_t k, int64_t bits, int64_t block, const at::Tensor& out) {
+  dequantize_sum_rows(records_of(buf, k, bits, block), bits, block, out);
+}
+
+void reduce_requantize_records(const at::Tensor& buf_k, int64_t k, int64_t bits, int64_t block,
+                               const std::optional<at::Tensor>& residual, const at::Tensor& buf, int64_t k_out) {
+  reduce_requantize_rows(records_of(buf_k, k, bits, block), bits, block, residual,
+                         records_of(buf, k_out, bits, block));
 }
 
 // The blockwise orthonormal Walsh-Hadamard transform (base.py, "Rotation"): butterfly stages in
@@ -285,6 +337,12 @@ TORCH_LIBRARY(neox_quant, m) {
   m.def("reduce_requantize(Tensor codes_k, Tensor scales_k, int bits, int block,"
         " Tensor(a!)? residual, Tensor(b!) codes, Tensor(c!) scales) -> ()");
   m.def("hadamard(Tensor x, int block, float scale) -> Tensor");
+  // The same on k records of one byte buffer (records_of): no views made by the caller.
+  m.def("quantize_records(Tensor x, Tensor(a!) buf, int k, int bits, int block) -> ()");
+  m.def("dequantize_records(Tensor buf, int k, int bits, int block, Tensor(a!) out) -> ()");
+  m.def("dequantize_sum_records(Tensor buf, int k, int bits, int block, Tensor(a!) out) -> ()");
+  m.def("reduce_requantize_records(Tensor buf_k, int k, int bits, int block, Tensor(a!)? residual,"
+        " Tensor(b!) buf, int k_out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(neox_quant, CPU, m) {
@@ -293,4 +351,8 @@ TORCH_LIBRARY_IMPL(neox_quant, CPU, m) {
   m.impl("dequantize_sum", &dequantize_sum);
   m.impl("reduce_requantize", &reduce_requantize);
   m.impl("hadamard", &hadamard);
+  m.impl("quantize_records", &quantize_records);
+  m.impl("dequantize_records", &dequantize_records);
+  m.impl("dequantize_sum_records", &dequantize_sum_records);
+  m.impl("reduce_requantize_records", &reduce_requantize_records);
 }

@@ -33,7 +33,8 @@ BACKEND_CALLS = ((compat, "all_gather_tensor"), (compat, "reduce_scatter_tensor"
 
 
 # The quantizer's kernels: compute (on a GPU, launched without waiting), not the engine's Python.
-KERNELS = ("quantize", "dequantize", "reduce_requantize", "dequantize_sum", "rotate")
+KERNELS = ("quantize", "dequantize", "reduce_requantize", "dequantize_sum", "rotate", "quantize_records",
+           "dequantize_records", "reduce_requantize_records", "dequantize_sum_records")
 
 
 class HostClock:

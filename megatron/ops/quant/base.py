@@ -203,25 +203,65 @@ def record_numel(size: int, bits: int, block: int) -> int:
     return size // per_block * block
 
 
+@functools.lru_cache(maxsize=None)
+def record_geometry(nbytes: int, rows: int, bits: int, block: int) -> tuple[int, bool]:
+    """(code bytes of a record, whether its scales can be viewed as fp32) for ``rows`` equal records
+    in ``nbytes`` bytes (cached: the engine asks per message, for few distinct sizes). Not viewable:
+    a record or its codes not a multiple of 4 bytes (e.g. INT4 with an odd number of blocks of 2)."""
+    if rows < 1 or nbytes % rows:
+        raise QuantizationError(f"{nbytes} bytes are not {rows} equal records")
+    size = nbytes // rows
+    code_bytes = codes_numel(record_numel(size, bits, block), bits)
+    return code_bytes, size % 4 == 0 and code_bytes % 4 == 0
+
+
+def _check_records(buf: Tensor, rows: int, bits: int, block: int) -> tuple[int, bool]:
+    """``record_geometry`` of a buffer of records, which must be a contiguous 1-D byte tensor; viewable
+    only where the buffer's first byte is 4-byte aligned too."""
+    if not isinstance(buf, Tensor) or buf.element_size() != 1 or buf.dim() != 1 or not buf.is_contiguous():
+        raise QuantizationError(f"records must be a contiguous 1-D byte buffer of {rows} equal records")
+    code_bytes, viewable = record_geometry(buf.numel(), rows, bits, block)
+    return code_bytes, viewable and buf.storage_offset() % 4 == 0
+
+
 def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[tuple[Tensor, Tensor]]:
     """A flat byte buffer (uint8, or int8) of ``rows`` equal records, each a row's codes followed by
     its fp32 scales (the engine's messages), as (codes rows, scales rows): views the kernels read and
-    write in place. None when the scales cannot be viewed as fp32 (a record or its codes not a
-    multiple of 4 bytes, e.g. INT4 with an odd number of blocks of 2); the caller then copies.
-    A buffer of the codes' own dtype (``codes_dtype(bits)``) saves one view per call."""
-    if buf.element_size() != 1 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() % rows:
-        raise QuantizationError(f"records must be a contiguous 1-D byte buffer of {rows} equal records")
-    size = buf.numel() // rows
-    code_bytes = codes_numel(record_numel(size, bits, block), bits)
-    if size % 4 or code_bytes % 4 or buf.storage_offset() % 4:  # scales not viewable as fp32
+    write in place. None when the scales cannot be viewed as fp32 (``record_geometry``); the caller
+    then copies (``record_copies``)."""
+    code_bytes, viewable = _check_records(buf, rows, bits, block)
+    if not viewable:
         return None
-    # one strided view each (fewer tensor ops than a view, slices and dtype views: this runs per hop)
+    size = buf.numel() // rows
     want = torch.int8 if bits == 8 else torch.uint8
     codes = (buf if buf.dtype == want else buf.view(want)).as_strided((rows, code_bytes), (size, 1))
     as_floats = buf.view(torch.float32)
     scales = as_floats.as_strided((rows, (size - code_bytes) // 4), (size // 4, 1),
                                   as_floats.storage_offset() + code_bytes // 4)
     return codes, scales
+
+
+def record_copies(buf: Tensor, rows: int, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    """The (codes, scales) rows of ``rows`` records as copies (any layout, ``interleaved_rows``'
+    None included)."""
+    code_bytes, _ = _check_records(buf, rows, bits, block)
+    records = buf.view(torch.uint8).view(rows, -1)
+    dense = torch.contiguous_format  # strides (n, 1) even for one row (a plain clone keeps the record's)
+    return (records[:, :code_bytes].clone(memory_format=dense).view(codes_dtype(bits)),
+            records[:, code_bytes:].clone(memory_format=dense).view(torch.float32))
+
+
+def write_records(buf: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """Rows (codes, scales) copied into the records of ``buf`` (the inverse of ``record_copies``)."""
+    rows = codes.shape[0] if codes.dim() == 2 else 1
+    buf.view(torch.uint8).view(rows, -1).copy_(
+        torch.cat([codes.reshape(rows, -1).view(torch.uint8), scales.reshape(rows, -1).view(torch.uint8)], dim=1))
+
+
+def read_records(buf: Tensor, rows: int, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    """The (codes, scales) rows of ``rows`` records to read: views, or copies (``record_copies``)."""
+    views = interleaved_rows(buf, rows, bits, block)
+    return views if views is not None else record_copies(buf, rows, bits, block)
 
 
 def check_finite_scales(scales: Tensor, block: int, what: str) -> None:
@@ -339,6 +379,66 @@ class Quantizer:
         _check_numel(x.numel(), block, "rotate")
         return self._rotate(x, block)
 
+    # -- records: k messages of one byte buffer ----------------------------------------------
+    # The engine's messages: k records of one contiguous byte buffer, each a chunk's codes then its
+    # fp32 scales (``record_bytes``). The same arithmetic as the forms above; the buffer is read
+    # and written in place (views made here, or by an implementation none at all: the C++ kernels
+    # take the buffer and its geometry), copies only where the scales cannot be viewed as fp32.
+
+    def quantize_records(self, x: Tensor, buf: Tensor, k: int, bits: int, block: int) -> Tensor:
+        """Encode ``x`` as the k records of ``buf`` (chunk i of x into record i), no finiteness check
+        (a NaN/inf block keeps its NaN/inf scale); returns ``buf``."""
+        check_block(bits, block)
+        _check_flat(x, "x")
+        if x.dtype not in INPUT_DTYPES:
+            raise QuantizationError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        code_bytes, viewable = _check_records(buf, k, bits, block)
+        if x.numel() != k * record_numel(buf.numel() // k, bits, block) or x.device != buf.device:
+            raise QuantizationError(f"{x.numel()} values on {x.device} do not fill {k} records of "
+                                    f"{buf.numel() // k} bytes on {buf.device}")
+        self._quantize_records(x, buf, k, bits, block, viewable)
+        return buf
+
+    def dequantize_records(self, buf: Tensor, k: int, bits: int, block: int, out: Tensor) -> Tensor:
+        """Decode the k records of ``buf``, in order, into the flat ``out`` (its dtype); returns it."""
+        check_block(bits, block)
+        _code_bytes, viewable = _check_records(buf, k, bits, block)
+        if out.dtype not in INPUT_DTYPES:
+            raise QuantizationError(f"out must be float32, bfloat16 or float16, got {out.dtype}")
+        _check_out_values(out, k * record_numel(buf.numel() // k, bits, block), out.dtype, buf.device)
+        self._dequantize_records(buf, k, bits, block, viewable, out)
+        return out
+
+    def reduce_requantize_records(self, buf_k: Tensor, k: int, bits: int, block: int, buf: Tensor,
+                                  k_out: int = 1, residual: Optional[Tensor] = None) -> Tensor:
+        """``reduce_requantize`` from the k records of ``buf_k`` into the ``k_out`` records of ``buf``
+        (same width: the next hop's messages, block i of the sum in record i // blocks per record),
+        no finiteness check; returns ``buf``."""
+        check_block(bits, block)
+        _c, viewable_in = _check_records(buf_k, k, bits, block)
+        _c, viewable_out = _check_records(buf, k_out, bits, block)
+        per_chunk = record_numel(buf_k.numel() // k, bits, block)
+        if k_out * record_numel(buf.numel() // k_out, bits, block) != per_chunk or buf.device != buf_k.device:
+            raise QuantizationError(f"{k_out} records of {buf.numel() // k_out} bytes on {buf.device} do not hold "
+                                    f"one of the {k} input records ({per_chunk} values on {buf_k.device})")
+        if residual is not None:
+            _check_flat(residual, "residual")
+            if (residual.dtype != torch.float32 or residual.numel() != per_chunk
+                    or residual.device != buf_k.device):
+                raise QuantizationError(
+                    f"residual must be float32 with {per_chunk} elements on {buf_k.device}; got "
+                    f"{residual.dtype} with {residual.numel()} on {residual.device}")
+        self._reduce_requantize_records(buf_k, k, bits, block, residual, buf, k_out, viewable_in and viewable_out)
+        return buf
+
+    def dequantize_sum_records(self, buf_k: Tensor, k: int, bits: int, block: int) -> Tensor:
+        """``dequantize_sum`` of the k records of ``buf_k``: a new fp32 chunk."""
+        check_block(bits, block)
+        _code_bytes, viewable = _check_records(buf_k, k, bits, block)
+        out = torch.empty(record_numel(buf_k.numel() // k, bits, block), dtype=torch.float32, device=buf_k.device)
+        self._dequantize_sum_records(buf_k, k, bits, block, viewable, out)
+        return out
+
     # -- implementation hooks -----------------------------------------------------------------
     # Arguments are validated. Encoded data comes as rows (2-D, each row contiguous, rows at any
     # stride); block i of a flat sequence of blocks is block i % (blocks per row) of row
@@ -365,6 +465,39 @@ class Quantizer:
 
     def _rotate(self, x: Tensor, block: int) -> Tensor:
         raise NotImplementedError
+
+    # The records forms, by default through the rows hooks on views of the buffer (``viewable``:
+    # the scales lie on 4-byte bounds), or on copies written back. An implementation that reads the
+    # buffer directly overrides them.
+
+    def _quantize_records(self, x: Tensor, buf: Tensor, k: int, bits: int, block: int, viewable: bool) -> None:
+        if viewable:
+            self._quantize(x, bits, block, *interleaved_rows(buf, k, bits, block))
+            return
+        per_row = x.numel() // k
+        codes = torch.empty(k, codes_numel(per_row, bits), dtype=codes_dtype(bits), device=x.device)
+        scales = torch.empty(k, per_row // block, dtype=torch.float32, device=x.device)
+        self._quantize(x, bits, block, codes, scales)
+        write_records(buf, codes, scales)
+
+    def _dequantize_records(self, buf: Tensor, k: int, bits: int, block: int, viewable: bool, out: Tensor) -> None:
+        self._dequantize(*read_records(buf, k, bits, block), bits, block, out)
+
+    def _reduce_requantize_records(self, buf_k: Tensor, k: int, bits: int, block: int, residual: Optional[Tensor],
+                                   buf: Tensor, k_out: int, viewable: bool) -> None:
+        out = interleaved_rows(buf, k_out, bits, block)
+        staged = out is None
+        if staged:
+            per_row = record_numel(buf.numel() // k_out, bits, block)
+            out = (torch.empty(k_out, codes_numel(per_row, bits), dtype=codes_dtype(bits), device=buf.device),
+                   torch.empty(k_out, per_row // block, dtype=torch.float32, device=buf.device))
+        self._reduce_requantize(*read_records(buf_k, k, bits, block), bits, block, residual, *out)
+        if staged:
+            write_records(buf, *out)
+
+    def _dequantize_sum_records(self, buf_k: Tensor, k: int, bits: int, block: int, viewable: bool,
+                                out: Tensor) -> None:
+        self._dequantize_sum(*read_records(buf_k, k, bits, block), bits, block, out)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -142,3 +142,31 @@ class CppQuantizer(Quantizer):
     def _rotate(self, x: Tensor, block: int) -> Tensor:
         _require_cpu(x)
         return self._ops.hadamard(x, block, rotation_scale(block))
+
+    # The records forms straight on the buffer (the kernels make the rows from its geometry: no
+    # views in Python); a layout whose scales are off 4-byte bounds goes through the copies.
+    def _quantize_records(self, x: Tensor, buf: Tensor, k: int, bits: int, block: int, viewable: bool) -> None:
+        _require_cpu(x)
+        if not viewable:
+            return super()._quantize_records(x, buf, k, bits, block, viewable)
+        self._ops.quantize_records(x, buf, k, bits, block)
+
+    def _dequantize_records(self, buf: Tensor, k: int, bits: int, block: int, viewable: bool, out: Tensor) -> None:
+        _require_cpu(buf)
+        if not viewable:
+            return super()._dequantize_records(buf, k, bits, block, viewable, out)
+        self._ops.dequantize_records(buf, k, bits, block, out)
+
+    def _reduce_requantize_records(self, buf_k: Tensor, k: int, bits: int, block: int, residual: Optional[Tensor],
+                                   buf: Tensor, k_out: int, viewable: bool) -> None:
+        _require_cpu(buf_k)
+        if not viewable:
+            return super()._reduce_requantize_records(buf_k, k, bits, block, residual, buf, k_out, viewable)
+        self._ops.reduce_requantize_records(buf_k, k, bits, block, residual, buf, k_out)
+
+    def _dequantize_sum_records(self, buf_k: Tensor, k: int, bits: int, block: int, viewable: bool,
+                                out: Tensor) -> None:
+        _require_cpu(buf_k)
+        if not viewable:
+            return super()._dequantize_sum_records(buf_k, k, bits, block, viewable, out)
+        self._ops.dequantize_sum_records(buf_k, k, bits, block, out)
