@@ -58,10 +58,23 @@ class Communicator:
         self.issued: dict[tuple[str, str], int] = {}
         self._wirings: dict[int, tuple[RankGroup, _Wiring]] = {}
         self._wirings_by_ranks: dict[tuple[int, ...], _Wiring] = {}
+        self._charges: dict[tuple[str, int, int], tuple[RankGroup, dict[str, int]]] = {}
 
     # -- charging -----------------------------------------------------------------------------------
     def charge(self, op: str, nbytes: int, group: RankGroup, phase: str) -> dict[str, int]:
-        """Record what this rank sends for ``op`` on a B-byte buffer; returns {tier: bytes}."""
+        """Record what this rank sends for ``op`` on a B-byte buffer; returns {tier: bytes} (the same
+        dict for the same op, size and group: read it, do not change it)."""
+        key = (op, nbytes, id(group))
+        held = self._charges.get(key)  # a unit's collectives repeat every micro-step: worked out once
+        if held is None or held[0] is not group:
+            held = (group, self._charges_of(op, nbytes, group))
+            self._charges[key] = held
+        charges = held[1]
+        for tier, sent in charges.items():
+            self.ledger.record(phase, tier, sent)
+        return charges
+
+    def _charges_of(self, op: str, nbytes: int, group: RankGroup) -> dict[str, int]:
         k = group.size
         if k == 1:
             return {}
@@ -70,16 +83,12 @@ class Communicator:
         wiring = self.wiring(group)
         if op in ("all_gather", "reduce_scatter", "all_reduce"):
             factor = 2 if op == "all_reduce" else 1
-            charges = {wiring.next_tier: factor * (k - 1) * (nbytes // k)}
-        elif op == "broadcast":  # a pipelined chain from the first member: B to the next, but the last
-            charges = {wiring.next_tier: nbytes} if wiring.position < k - 1 else {}
-        elif op == "all_to_all":
-            charges = {tier: peers * (nbytes // k) for tier, peers in wiring.peers_by_tier.items()}
-        else:
-            raise CommError(f"unknown collective {op!r}")
-        for tier, sent in charges.items():
-            self.ledger.record(phase, tier, sent)
-        return charges
+            return {wiring.next_tier: factor * (k - 1) * (nbytes // k)}
+        if op == "broadcast":  # a pipelined chain from the first member: B to the next, but the last
+            return {wiring.next_tier: nbytes} if wiring.position < k - 1 else {}
+        if op == "all_to_all":
+            return {tier: peers * (nbytes // k) for tier, peers in wiring.peers_by_tier.items()}
+        raise CommError(f"unknown collective {op!r}")
 
     def _issue(self, op: str, group: RankGroup) -> None:
         key = (op, group.kind)

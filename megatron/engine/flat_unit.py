@@ -156,6 +156,8 @@ class FlatUnit:
             del slot.module._parameters[slot.attr]
         self.state = UnitState.GATHERED if not self.shardable else UnitState.RELEASED
         self.views_track_grad = False  # the module attributes were made with grad on (set_views)
+        self._view_targets: Optional[list] = None  # (module __dict__, attribute, shape or None) per slot
+        self._split_sizes: list[int] = []
         self.inflight = None          # the issued gather while GATHERING (schedules.InflightGather)
         self.recomputes = False       # learned in backward: autograd re-runs this unit (activation checkpointing)
         self.pending_bwd_charges: Optional[dict] = None  # a backward gather not yet known to be a recompute
@@ -181,12 +183,13 @@ class FlatUnit:
         """Point every module attribute at its slice of ``flat`` (autograd-tracked when grad is on).
         Made again for every forward: the views' autograd nodes must be younger than the ops before
         them, or autograd, which runs the youngest ready node first, would accumulate ``flat``'s
-        gradient (and so reduce it and release the unit) only at the very end of the backward."""
-        sizes = [s.numel for s in self.slots]
-        if self.size > self.numel:
-            sizes.append(self.size - self.numel)
-        for slot, piece in zip(self.slots, self.flat.split(sizes)):
-            slot.module.__dict__[slot.attr] = piece if piece.dim() == len(slot.shape) == 1 else piece.view(slot.shape)
+        gradient (and so reduce it and release the unit) only at the very end of the backward.
+        Runs per unit and pass: one split, a view per matrix, the targets worked out once."""
+        if self._view_targets is None:
+            self._split_sizes = [s.numel for s in self.slots] + ([self.size - self.numel] if self.size > self.numel else [])
+            self._view_targets = [(s.module.__dict__, s.attr, None if len(s.shape) == 1 else s.shape) for s in self.slots]
+        for (attrs, attr, shape), piece in zip(self._view_targets, torch.split_with_sizes(self.flat, self._split_sizes)):
+            attrs[attr] = piece if shape is None else piece.view(shape)
         self.views_track_grad = torch.is_grad_enabled()
 
     def param_views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
