@@ -167,3 +167,20 @@ except Exception as err:  # the strict communicator's NcclRuleError, or torch's 
     print("raised:", type(err).__name__, str(err).splitlines()[0])
 """)
     assert "raised:" in out and "a tensor on cpu" in out and "meta" in out, out
+
+
+def test_writing_one_kind_of_run_keeps_the_other_kinds_tables(tmp_path):
+    """`--runs host --write` rewrites the host table only: the meta and memory tables of the page
+    (runs of ~half an hour) stay as they were."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("rehearse_tool", REPO / "tools" / "rehearse.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    page = tmp_path / "page.md"
+    page.write_text("intro\n" + tool.BEGIN + "\n" + tool.joined({"meta": "META 1", "host": "HOST 1", "memory": "MEM 1"})
+                    + tool.END + "\nafter\n")
+    tool.write_section(page, {"host": "HOST 2\n\n| a |"})
+    text = page.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nafter\n")
+    assert "META 1" in text and "MEM 1" in text and "HOST 2\n\n| a |" in text and "HOST 1" not in text
+    assert text.index("META 1") < text.index("HOST 2") < text.index("MEM 1")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -162,18 +163,28 @@ def _agree(measured: dict, predicted: dict) -> str:
     return "DIFFERS (" + "; ".join(diff[:3]) + ")"
 
 
-def report(results: list[dict], args) -> str:
-    out = []
+def report(results: list[dict], args) -> dict[str, str]:
+    """The tables by kind of run (meta, host, memory), for the kinds the results hold."""
+    out = {}
     meta = [r for r in results if r["kind"] == "meta"]
     if meta:
-        out.append(meta_report(meta))
+        out["meta"] = meta_report(meta)
     host = [r for r in results if r["kind"] in ("host", "cuda")]
     if host:
-        out.append(host_report(host))
+        out["host"] = host_report(host)
     memory = [r for r in results if r["kind"] in ("memory", "cuda") and r.get("memory")]
     if memory:
-        out.append(memory_report(memory, {r["label"]: r["layers"] for r in meta}))
-    return "\n\n".join(out) + "\n"
+        out["memory"] = memory_report(memory, {r["label"]: r["layers"] for r in meta})
+    return out
+
+
+def block_marker(kind: str) -> str:
+    return f"<!-- rehearsal:{kind} -->"
+
+
+def joined(blocks: dict[str, str]) -> str:
+    """The section's text: each kind's tables after its marker, in the order of RUNS."""
+    return "\n\n".join(f"{block_marker(k)}\n{blocks[k]}" for k in RUNS if k in blocks) + "\n"
 
 
 def _shape(r: dict) -> str:
@@ -284,12 +295,17 @@ def merged(paths: list[str]) -> list[dict]:
     return list(runs.values())
 
 
-def write_section(path: Path, text: str) -> None:
+def write_section(path: Path, blocks: dict[str, str]) -> None:
+    """Replace the tables of the kinds run in the page's marked section; the other kinds' tables stay
+    (a host run alone rewrites the host table only)."""
     page = path.read_text()
     if BEGIN not in page or END not in page:
         raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
     head, rest = page.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+    old, tail = rest.split(END, 1)
+    parts = re.split(r"<!-- rehearsal:(" + "|".join(RUNS) + r") -->\n", old)  # [before, kind, text, kind, text ...]
+    kept = {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts), 2)}
+    path.write_text(head + BEGIN + "\n" + joined({**kept, **blocks}) + END + tail)
 
 
 def main(argv=None) -> int:
@@ -298,10 +314,10 @@ def main(argv=None) -> int:
         return child(args.child)
     if args.from_json:
         results = [predict_again(r) if "config" in r else r for r in merged(args.from_json)]
-        text = report(results, args)
-        print(text)
+        blocks = report(results, args)
+        print(joined(blocks))
         if args.write:
-            write_section(Path(args.write), text)
+            write_section(Path(args.write), blocks)
         return 0
     if "memory" in args.runs and len(args.memory_layers) < 2:
         raise SystemExit("--memory-layers needs two layer counts or more (the slope per layer)")
@@ -314,12 +330,12 @@ def main(argv=None) -> int:
             result = run_child(spec, work / f"run{i}")
             result["label"], result["kind"] = spec["name"], spec["kind"]
             results.append(result)
-    text = report(results, args)
-    print(text)
+    blocks = report(results, args)
+    print(joined(blocks))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write:
-        write_section(Path(args.write), text)
+        write_section(Path(args.write), blocks)
     return 0
 
 
