@@ -25,8 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from .base import (DEFAULT_BLOCK, INPUT_DTYPES, QuantizationError, Quantizer, interleaved_rows, padded_numel,
-                   qmax, record_bytes)
+from .base import (DEFAULT_BLOCK, INPUT_DTYPES, QuantizationError, Quantizer, codes_dtype, interleaved_rows,
+                   padded_numel, qmax, read_records, record_bytes)
 from .reference import ReferenceQuantizer
 from .select import get_quantizer
 
@@ -216,7 +216,8 @@ def _kernel_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], 
     problems.append(_bitwise_mismatch(
         "dequantize_sum", quantizer.dequantize_sum(codes_k, scales_k, k, bits, block),
         reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
-    return problems + _rows_mismatches(quantizer, x, k_inputs, bits, block)
+    return problems + _rows_mismatches(quantizer, x, k_inputs, bits, block) + _records_mismatches(
+        quantizer, x, k_inputs, bits, block)
 
 
 def _records(values: int, rows: int, bits: int, block: int, device: torch.device
@@ -276,6 +277,49 @@ def _rows_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], bi
             problems.append(_bitwise_mismatch(f"{what}, residual", got_residual, want_residual))
     problems.append(_bitwise_mismatch("dequantize_sum rows", quantizer.dequantize_sum(*received, k, bits, block),
                                       reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
+    return problems
+
+
+def _records_mismatches(quantizer: Quantizer, x: Tensor, k_inputs: list[Tensor], bits: int, block: int
+                        ) -> list[Optional[str]]:
+    """The records forms (the engine's: a message buffer and its record count) against the reference on
+    flat tensors, every layout (those whose scales cannot be viewed in place go through copies)."""
+    reference = ReferenceQuantizer()
+    rows, k, chunk = _most_rows(x.numel() // block), len(k_inputs), k_inputs[0].numel()
+
+    def buffer(values: int, records: int) -> Tensor:  # a pattern the kernels must overwrite
+        return torch.full((records * record_bytes(values // records, bits, block),), -91, dtype=codes_dtype(bits),
+                          device=x.device)
+
+    problems: list[Optional[str]] = []
+    sent = quantizer.quantize_records(x, buffer(x.numel(), rows), rows, bits, block)
+    want_codes, want_scales = reference.quantize(x, bits, block)
+    codes, scales = read_records(sent, rows, bits, block)
+    problems.append(_bitwise_mismatch("quantize_records codes", codes.reshape(-1), want_codes))
+    problems.append(_bitwise_mismatch("quantize_records scales", scales.reshape(-1), want_scales))
+    got = quantizer.dequantize_records(sent, rows, bits, block, torch.empty(x.numel(), dtype=torch.bfloat16,
+                                                                            device=x.device))
+    problems.append(_bitwise_mismatch("dequantize_records", got, reference.dequantize(
+        want_codes, want_scales, bits, block, dtype=torch.bfloat16)))
+    received = reference.quantize_records(torch.cat(k_inputs), buffer(k * chunk, k), k,
+                                          bits, block)
+    codes_k, scales_k = (t.reshape(-1) for t in read_records(received, k, bits, block))
+    problems.append(_bitwise_mismatch("dequantize_sum_records", quantizer.dequantize_sum_records(received, k, bits, block),
+                                      reference.dequantize_sum(codes_k, scales_k, k, bits, block)))
+    k_out = _most_rows(chunk // block)
+    for residual in (None, -0.3 * reference.dequantize(codes_k[-codes_k.numel() // k:], scales_k[-scales_k.numel() // k:],
+                                                       bits, block)):
+        got_residual = None if residual is None else residual.clone()
+        want_residual = None if residual is None else residual.clone()
+        into = quantizer.reduce_requantize_records(received, k, bits, block, buffer(chunk, k_out), k_out,
+                                                   residual=got_residual)
+        want = reference.reduce_requantize(codes_k, scales_k, k, bits, block, residual=want_residual)
+        codes, scales = read_records(into, k_out, bits, block)
+        what = "reduce_requantize_records" + ("" if residual is None else "+residual")
+        problems.append(_bitwise_mismatch(f"{what} codes", codes.reshape(-1), want[0]))
+        problems.append(_bitwise_mismatch(f"{what} scales", scales.reshape(-1), want[1]))
+        if residual is not None:
+            problems.append(_bitwise_mismatch(f"{what}, residual", got_residual, want_residual))
     return problems
 
 
