@@ -156,13 +156,18 @@ def _rows_of(t: Tensor) -> int:
     return t.shape[0] if t.dim() == 2 else 1
 
 
+def _new_rows(rows: int, per_row: int, bits: int, block: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """New (codes, scales) rows for ``rows`` rows of ``per_row`` values (the records forms' copies)."""
+    return (torch.empty(rows, codes_numel(per_row, bits), dtype=codes_dtype(bits), device=device),
+            torch.empty(rows, per_row // block, dtype=torch.float32, device=device))
+
+
 def _check_out_codes(out, numel: int, bits: int, block: int, device: torch.device
                      ) -> tuple[Tensor, Tensor]:
     """``out`` = (codes, scales) to write ``numel`` values' encoding into (1-D, or rows of a
     message layout), or None: new 1-D tensors."""
     if out is None:
-        codes = torch.empty(codes_numel(numel, bits), dtype=codes_dtype(bits), device=device)
-        return codes.view(1, -1), torch.empty(1, numel // block, dtype=torch.float32, device=device)
+        return _new_rows(1, numel, bits, block, device)
     codes, scales = out
     codes, scales, per_row = _check_codes(codes, scales, bits, block, _rows_of(codes))
     if per_row * codes.shape[0] != numel or codes.device != device:
@@ -181,6 +186,16 @@ def _check_out_values(out: Optional[Tensor], numel: int, dtype: torch.dtype, dev
         raise QuantizationError(f"out must hold {numel} {dtype} values on {device}; got {out.numel()} "
                                 f"{out.dtype} on {out.device}")
     return out
+
+
+def _check_residual(residual: Optional[Tensor], per_chunk: int, device: torch.device) -> None:
+    """An error-feedback residual (or None): flat fp32 of one chunk, on the data's device."""
+    if residual is None:
+        return
+    _check_flat(residual, "residual")
+    if residual.dtype != torch.float32 or residual.numel() != per_chunk or residual.device != device:
+        raise QuantizationError(f"residual must be float32 with {per_chunk} elements on {device}; got "
+                                f"{residual.dtype} with {residual.numel()} on {residual.device}")
 
 
 def _returned(t: Tensor, given) -> Tensor:
@@ -346,13 +361,7 @@ class Quantizer:
         """
         check_block(bits, block)
         codes_k, scales_k, per_chunk = _check_codes(codes_k, scales_k, bits, block, k)
-        if residual is not None:
-            _check_flat(residual, "residual")
-            if (residual.dtype != torch.float32 or residual.numel() != per_chunk
-                    or residual.device != codes_k.device):
-                raise QuantizationError(
-                    f"residual must be float32 with {per_chunk} elements on {codes_k.device}; got "
-                    f"{residual.dtype} with {residual.numel()} on {residual.device}")
+        _check_residual(residual, per_chunk, codes_k.device)
         codes, scales = _check_out_codes(out, per_chunk, bits, block, codes_k.device)
         self._reduce_requantize(codes_k, scales_k, bits, block, residual, codes, scales)
         if check_finite:  # as quantize's
@@ -421,13 +430,7 @@ class Quantizer:
         if k_out * record_numel(buf.numel() // k_out, bits, block) != per_chunk or buf.device != buf_k.device:
             raise QuantizationError(f"{k_out} records of {buf.numel() // k_out} bytes on {buf.device} do not hold "
                                     f"one of the {k} input records ({per_chunk} values on {buf_k.device})")
-        if residual is not None:
-            _check_flat(residual, "residual")
-            if (residual.dtype != torch.float32 or residual.numel() != per_chunk
-                    or residual.device != buf_k.device):
-                raise QuantizationError(
-                    f"residual must be float32 with {per_chunk} elements on {buf_k.device}; got "
-                    f"{residual.dtype} with {residual.numel()} on {residual.device}")
+        _check_residual(residual, per_chunk, buf_k.device)
         self._reduce_requantize_records(buf_k, k, bits, block, residual, buf, k_out, viewable_in and viewable_out)
         return buf
 
@@ -474,9 +477,7 @@ class Quantizer:
         if viewable:
             self._quantize(x, bits, block, *interleaved_rows(buf, k, bits, block))
             return
-        per_row = x.numel() // k
-        codes = torch.empty(k, codes_numel(per_row, bits), dtype=codes_dtype(bits), device=x.device)
-        scales = torch.empty(k, per_row // block, dtype=torch.float32, device=x.device)
+        codes, scales = _new_rows(k, x.numel() // k, bits, block, x.device)
         self._quantize(x, bits, block, codes, scales)
         write_records(buf, codes, scales)
 
@@ -485,15 +486,13 @@ class Quantizer:
 
     def _reduce_requantize_records(self, buf_k: Tensor, k: int, bits: int, block: int, residual: Optional[Tensor],
                                    buf: Tensor, k_out: int, viewable: bool) -> None:
-        out = interleaved_rows(buf, k_out, bits, block)
-        staged = out is None
-        if staged:
-            per_row = record_numel(buf.numel() // k_out, bits, block)
-            out = (torch.empty(k_out, codes_numel(per_row, bits), dtype=codes_dtype(bits), device=buf.device),
-                   torch.empty(k_out, per_row // block, dtype=torch.float32, device=buf.device))
+        if viewable:  # input and output records both in place
+            self._reduce_requantize(*interleaved_rows(buf_k, k, bits, block), bits, block, residual,
+                                    *interleaved_rows(buf, k_out, bits, block))
+            return
+        out = _new_rows(k_out, record_numel(buf.numel() // k_out, bits, block), bits, block, buf.device)
         self._reduce_requantize(*read_records(buf_k, k, bits, block), bits, block, residual, *out)
-        if staged:
-            write_records(buf, *out)
+        write_records(buf, *out)
 
     def _dequantize_sum_records(self, buf_k: Tensor, k: int, bits: int, block: int, viewable: bool,
                                 out: Tensor) -> None:
