@@ -184,3 +184,17 @@ def test_writing_one_kind_of_run_keeps_the_other_kinds_tables(tmp_path):
     assert text.startswith("intro\n") and text.endswith("\nafter\n")
     assert "META 1" in text and "MEM 1" in text and "HOST 2\n\n| a |" in text and "HOST 1" not in text
     assert text.index("META 1") < text.index("HOST 2") < text.index("MEM 1")
+
+
+def test_the_cpu_share_and_the_steal_tell_a_slow_sitting_from_slow_code(runs):
+    """The host table's last column: the micro-step's CPU time (this thread's) never exceeds its wall
+    time, and the steal share is /proc/stat's eighth state over the first eight, by hand."""
+    from megatron.rehearsal.run import cpu_ticks, steal_share
+    host = runs["zero_topo cpu"]["host_s"]
+    assert 0 < host["micro step cpu"] <= host["micro step"] * 1.01
+    before = [100, 0, 50, 800, 5, 0, 1, 4, 0, 0]
+    after = [160, 0, 70, 880, 5, 0, 1, 24, 30, 0]  # guest time (ninth) is inside user time: not added again
+    assert steal_share(before, after) == pytest.approx(20 / 180)
+    assert steal_share(None, after) is None and steal_share(before, before) == 0.0
+    if sys.platform.startswith("linux"):
+        assert len(cpu_ticks()) >= 8

@@ -230,14 +230,25 @@ def host_report(runs: list[dict]) -> str:
                      f"{host['backend in micro step'] * MS:.1f}", f"{host['kernels in micro step'] * MS:.1f}",
                      f"{(host['optimizer step'] - host['backend in optimizer step'] - host['kernels in optimizer step']) * MS:.1f}",
                      f"{(host['train step'] - r['accumulation'] * host['micro step'] - host['optimizer step']) * MS:.1f}",
-                     coll])
+                     coll, _cpu_share(r)])
     return (f"Host time on the CPU at the full depth and world, every width small ({_shape(runs[0])}): medians in ms. "
             "The engine's share is the time inside its hooks and pass bookkeeping less the backend's calls (fake: a "
             "copy per group member NCCL does not make) and the quantization kernels (computed here, launched on a "
-            "GPU), both shown apart\n\n"
+            "GPU), both shown apart. The last column tells a slow sitting of this VM from slow code: the process's CPU "
+            "time over the wall time of a micro-step, and the share of the machine's time the hypervisor gave other "
+            "guests (steal) while the steps ran\n\n"
             + table(["preset", "micro-step", "engine per micro-step", "backend per micro-step",
                      "quantization kernels per micro-step", "optimizer step (engine)", "trainer's rest",
-                     "collectives / step"], rows))
+                     "collectives / step", "CPU / wall, steal"], rows))
+
+
+def _cpu_share(run: dict) -> str:
+    """`0.97, 2% steal` (runs before these were measured: -)."""
+    host = run["host_s"]
+    if "micro step cpu" not in host:
+        return "-"
+    steal = run.get("steal_share")
+    return f"{host['micro step cpu'] / host['micro step']:.2f}" + (f", {steal:.0%} steal" if steal is not None else "")
 
 
 def _syncs(by_kind: dict) -> str:

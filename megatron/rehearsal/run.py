@@ -132,6 +132,7 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
 
     step_s, issued, ledgers = [], [], []
     calls.reset()
+    ticks = cpu_ticks()
     rules, engine.comm.rules = engine.comm.rules, None  # timed as a job runs: NCCL's rules were checked above
     for _ in range(settings.steps):
         before = dict(engine.comm.issued)
@@ -142,7 +143,9 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
         issued.append(_issued_since(engine.comm, before))
         ledgers.append(engine.synced_ledger())
     engine.comm.rules = rules
+    steal = steal_share(ticks, cpu_ticks())
     timed = {"micro step": calls.times["forward_backward"], "optimizer step": calls.times["optimizer_step"],
+             "micro step cpu": calls.cpu["forward_backward"],
              "train step": step_s, "engine in micro step": calls.engine_own["forward_backward"],
              "backend in micro step": calls.backend["forward_backward"],
              "kernels in micro step": calls.kernels["forward_backward"],
@@ -160,7 +163,7 @@ def _rehearse(cfg, settings: Settings, device: torch.device) -> dict:
         "quantized": engine.quant.summary() if engine.quant.enabled else "",
         "units": len(engine.units), "unit_numels": [u.numel for u in engine.units],
         "startup_s": startup, "unit_build_s": unit_s,
-        "host_s": {name: statistics.median(v) for name, v in timed.items() if v},
+        "host_s": {name: statistics.median(v) for name, v in timed.items() if v}, "steal_share": steal,
         "model_only_micro_step_s": baseline,
         "collectives_per_step": _stable(issued), "ledger_per_step": _ledger_json(_stable(ledgers)),
         "host_syncs": syncs, "memory": _memory_json(memory, trace), "checkpoint": checkpoint,
@@ -186,10 +189,11 @@ class _Timed:
         def timed(*args, **kwargs):
             counter = HostSyncs() if self.counting else contextlib.nullcontext()
             engine_s, backend_s, kernels_s = self.clock.engine_s, self.clock.backend_s, self.clock.kernels_s
-            t = _clock()
+            t, cpu = _clock(), time.thread_time()
             with counter:
                 out = method(*args, **kwargs)
             self.times[name].append(_clock() - t)
+            self.cpu[name].append(time.thread_time() - cpu)
             backend, kernels = self.clock.backend_s - backend_s, self.clock.kernels_s - kernels_s
             self.backend[name].append(backend)
             self.kernels[name].append(kernels)
@@ -201,6 +205,7 @@ class _Timed:
 
     def reset(self) -> None:
         self.times = {name: [] for name in self.NAMES}
+        self.cpu = {name: [] for name in self.NAMES}  # this thread's CPU time: the wall less what the VM took
         self.engine_own = {name: [] for name in self.NAMES}
         self.backend = {name: [] for name in self.NAMES}
         self.kernels = {name: [] for name in self.NAMES}
@@ -210,6 +215,23 @@ class _Timed:
         for name in self.NAMES:
             delattr(self.engine, name)
         self.clock.restore()
+
+
+def cpu_ticks() -> Optional[list[int]]:
+    """The machine's CPU time so far by state (/proc/stat's first line, in ticks); None off Linux."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: Optional[list[int]], after: Optional[list[int]]) -> Optional[float]:
+    """The share of the machine's CPU time the hypervisor gave to other guests between two readings
+    (``steal``, /proc/stat's eighth state): a VM's slow sittings, told apart from the code's."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    spent = [b - a for a, b in zip(before[:8], after[:8])]  # guest time is inside user time already
+    return spent[7] / sum(spent) if sum(spent) else 0.0
 
 
 def _count_syncs(trainer: Trainer, calls: _Timed) -> dict:
