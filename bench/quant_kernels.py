@@ -11,14 +11,15 @@ reference's time over the kernel's time; `% copy` is the kernel's GB/s as a shar
 memory bound: issue 26's goals are 60% for quantize and dequantize, 40% for reduce_requantize). `--accuracy` adds the relative RMS error per block size
 (and the bytes the scales add per element), the other half of choosing a default block size.
 Implementations: reference and cpp on CPU; triton on a CUDA/ROCm device (`--device cuda`).
+`--impls triton,triton_strided4` times the INT4 kernels against their stride-2 baseline
+(StridedInt4Quantizer: the fp32 side read and written at stride 2, as before 145ef0a; same bits).
 `--baseline-kernels FILE` adds `baseline`: the Triton kernels of another version of
 megatron/ops/quant/triton_kernels.py, timed by the same clock in the same run (an A/B of a kernel
 change; its output is first compared with the reference's, bit for bit). The file must implement
 the rows hooks (megatron/ops/quant/base.py; from 62dd09b on); an older one is refused in one line:
 
-    mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
     python bench/quant_kernels.py --device cuda --sizes 16M --impls triton,baseline \
-        --baseline-kernels cache/kernels_before.py
+        --baseline-kernels cache/other_triton_kernels.py
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron.ops.quant import get_quantizer
+from megatron.ops.quant.select import BASELINES, quantizer_or_baseline
 from megatron.ops.quant.base import Quantizer
 from megatron.ops.quant.reference import ReferenceQuantizer
 
@@ -101,7 +103,7 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
           f"{copy_rate / 1e9:8.2f}{1.0:9.2f}{'':>8}{100.0:8.1f}")
     reference_times: dict[tuple, float] = {}
     for impl in args.impls:
-        quantizer = args.baseline if impl == BASELINE else get_quantizer(impl, device)
+        quantizer = args.baseline if impl == BASELINE else quantizer_or_baseline(impl, device)
         if quantizer is None or (impl != BASELINE and quantizer.name != impl):
             print(f"{impl:<10} unavailable here, skipped")
             continue
@@ -111,7 +113,7 @@ def bench_size(n: int, args: argparse.Namespace, device: torch.device) -> None:
                     print(f"{impl:<10}{bits:>5}{block:>7}  n not a multiple of block * k, skipped")
                     continue
                 codes, scales = quantizer.quantize(x, bits, block)
-                if impl == BASELINE and not same_as_reference(x, codes, scales, bits, block):
+                if (impl == BASELINE or impl in BASELINES) and not same_as_reference(x, codes, scales, bits, block):
                     print(f"{impl:<10}{bits:>5}{block:>7}  quantize differs from the reference: not timed")
                     continue
                 stored = code_bytes(n, bits, block)

@@ -89,6 +89,29 @@ def test_the_benchmark_times_another_version_of_the_kernels(tmp_path):
     assert " ".join(outputs["broken"][0]) == "baseline 4 2048 quantize differs from the reference: not timed"
 
 
+def test_the_benchmark_times_the_int4_kernels_against_their_stride_2_baseline():
+    """bench/quant_kernels.py --impls ...,triton_strided4 (the device loan's kernel A/B): the baseline
+    kernels' output is compared with the reference's before each width is timed, so rows appear for
+    all three ops only when they agree bit for bit."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "bench" / "quant_kernels.py"), "--sizes", "16K",
+                           "--bits", "4", "--impls", "reference,triton_strided4", "--repeat", "1"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("triton_strided4")]
+    assert [row[3] for row in rows] == ["quantize", "dequantize", "reduce_requant"], done.stdout
+
+
+@pytest.mark.slow  # ~55 s interpreted: a benchmark's baseline, not a kernel anything trains with
+def test_the_stride_2_baseline_is_bit_exact_on_every_case():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron.ops.quant", "check", "--impl",
+                           "triton_strided4", "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(CASE_IDS) and not any(results.values())
+
+
 # -- the reduce kernels over many chunks (K = 48: the cross-node hop of 48 Frontier nodes; 384: a
 #    quantized hop over their whole world). K = 48 is the self-check case `many_chunks`, above.
 

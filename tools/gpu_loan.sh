@@ -2,20 +2,15 @@
 # One device loan's measurements in one call, every result in OUT_DIR as at most 5 files (the
 # device tool brings back 8 at most, and nothing after a call it had to kill):
 #   1. tools/gpu_check.sh, checks a-f                -> summary.txt, throughput.json
-#   2. the INT4 kernel A/B: the Triton kernels before 145ef0a (stride-2 loads and stores) timed
-#      beside ours on the same device clock          -> kernels_ab.log
+#   2. the INT4 kernel A/B: our Triton INT4 kernels beside their stride-2 baseline (impl
+#      triton_strided4: the fp32 side at stride 2, as before 145ef0a), same device clock
+#                                                    -> kernels_ab.log
 #   3. the rows check e does not run, and the compiled rows again, each with its chrome trace
 #                                                    -> more_rows.json
 #   every log and trace                              -> logs.tgz
 # Usage: tools/gpu_loan.sh OUT_DIR
 #   GPU_LOAN_BUDGET_S  the whole run's budget in seconds (default 565; give the call 590)
-#   GPU_LOAN_BASELINE  the kernels file of step 2 (default cache/kernels_before.py)
 #   PYTHON             the interpreter, as for gpu_check.sh
-# The device gets no git history, so step 2's file is made here and carried:
-#   mkdir -p cache && git show 145ef0a^:megatron/ops/quant/triton_kernels.py > cache/kernels_before.py
-# Without it, step 2 says so in kernels_ab.log and the rest runs. Since 62dd09b the kernels write into
-# rows (megatron/ops/quant/base.py) and a file from before it is refused in one line (kernels_ab.log):
-# 145ef0a^'s stride-2 kernels need porting to the rows hooks before this A/B can run again.
 # Exit: gpu_check.sh's code (77: no GPU, nothing else run). docs/gpu.md, "After", has the call.
 set -uo pipefail
 
@@ -28,7 +23,6 @@ if [[ -z ${PYTHON:-} ]]; then
 fi
 export PYTHON PYTHONUNBUFFERED=1
 BUDGET_S=${GPU_LOAN_BUDGET_S:-565}
-BASELINE=${GPU_LOAN_BASELINE:-cache/kernels_before.py}
 START_S=$SECONDS
 WORK=$(mktemp -d)
 
@@ -54,14 +48,12 @@ rc=$?
 # 2. The kernel A/B (each impl checked bit for bit against the reference before it is timed).
 cap=$(($(seconds_left) - 120))
 ((cap > 50)) && cap=50
-if [[ ! -f $BASELINE ]]; then
-    echo "gpu_loan: kernel A/B not run: no $BASELINE (see the head of tools/gpu_loan.sh)" | tee "$WORK/kernels_ab.log"
-elif ((cap < 10)); then
+if ((cap < 10)); then
     echo "gpu_loan: kernel A/B not run: the ${BUDGET_S} s budget is spent" | tee "$WORK/kernels_ab.log"
 else
     echo "== kernel A/B (timeout ${cap} s)"
     timeout -k 5 "$cap" "$PYTHON" bench/quant_kernels.py --device cuda --sizes 16M --blocks 2048 \
-        --impls triton,baseline --repeat 3 --baseline-kernels "$BASELINE" 2>&1 | tee "$WORK/kernels_ab.log"
+        --bits 4 --impls triton,triton_strided4 --repeat 3 2>&1 | tee "$WORK/kernels_ab.log"
 fi
 
 # 3. More rows, traced: fused loss with compile, both recomputes, and the two compiled rows whose

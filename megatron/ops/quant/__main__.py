@@ -24,9 +24,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .select import get_quantizer
+    from .select import quantizer_or_baseline
     from .selfcheck import check_all
-    quantizer = get_quantizer(args.impl, args.device)
+    quantizer = quantizer_or_baseline(args.impl, args.device)
     if quantizer.name != args.impl:
         print(f"[quant] impl {args.impl!r} is not available here", file=sys.stderr)
         return 2
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build", help="build (or confirm the cached build of) the C++ kernels")
     build.add_argument("--verbose", action="store_true", help="show the compiler's output")
     check = commands.add_parser("check", help="compare an implementation with the reference")
-    check.add_argument("--impl", default="cpp", choices=["reference", "cpp", "triton"])
+    check.add_argument("--impl", default="cpp", choices=["reference", "cpp", "triton", "triton_strided4"],
+                       help="triton_strided4: the INT4 kernels' stride-2 baseline (bench/quant_kernels.py)")
     check.add_argument("--device", default="cpu", help="cpu, or cuda for triton on a GPU")
     check.add_argument("--case", action="append", help="run only this case (repeatable)")
     check.add_argument("--json", action="store_true", help="print {case: [problems]} as JSON")

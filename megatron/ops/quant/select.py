@@ -58,3 +58,22 @@ def get_quantizer(impl: str = "auto",
         return TritonQuantizer()
     log.warning("Triton quantization kernels unavailable (%s); using the torch reference", reason)
     return ReferenceQuantizer()
+
+
+# Kernels kept only to be compared with an implementation (never trained with): name -> class name in
+# triton_kernels.py. `python -m megatron.ops.quant check --impl NAME` and bench/quant_kernels.py accept them.
+BASELINES = {"triton_strided4": "StridedInt4Quantizer"}
+
+
+def quantizer_or_baseline(impl: str, device: Optional[Union[str, torch.device]] = None) -> Quantizer:
+    """``get_quantizer(impl, device)``, or the baseline kernels named ``impl`` (BASELINES) when the
+    Triton kernels can run on ``device``; else the reference, with the same one-line notice."""
+    if impl not in BASELINES:
+        return get_quantizer(impl, device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    reason = _triton_unavailable(device)
+    if reason is not None:
+        log.warning("Triton quantization kernels unavailable (%s); using the torch reference", reason)
+        return ReferenceQuantizer()
+    from . import triton_kernels
+    return getattr(triton_kernels, BASELINES[impl])()

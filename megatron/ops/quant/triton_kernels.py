@@ -110,16 +110,46 @@ def _interleave(lo, hi, HALF_SPAN: tl.constexpr):
 
 # The INT4 kernels read and write the fp32 side contiguously and split it into pairs in registers
 # (_pairs / _interleave): two loads at stride 2 cannot be vectorised, one contiguous load can.
+# STRIDED (StridedInt4Quantizer, a benchmark's baseline only) makes the two stride-2 accesses
+# instead, as before 145ef0a, so the device can time the one against the other; same bits.
+
+@triton.jit
+def _load_pairs(ptr, block, HALF_SPAN: tl.constexpr, STRIDED: tl.constexpr):
+    """The even and odd fp32 elements of a block (zeros past its end)."""
+    if STRIDED:
+        pairs = tl.arange(0, HALF_SPAN)
+        mask = pairs < block // 2
+        lo = tl.load(ptr + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(ptr + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        offs = tl.arange(0, 2 * HALF_SPAN)
+        lo, hi = _pairs(tl.load(ptr + offs, mask=offs < block, other=0.0).to(tl.float32), HALF_SPAN)
+    return lo, hi
+
+
+@triton.jit
+def _store_pairs(ptr, lo, hi, block, HALF_SPAN: tl.constexpr, STRIDED: tl.constexpr):
+    """The inverse of _load_pairs (values already in the output's dtype)."""
+    if STRIDED:
+        pairs = tl.arange(0, HALF_SPAN)
+        mask = pairs < block // 2
+        tl.store(ptr + 2 * pairs, lo, mask=mask)
+        tl.store(ptr + 2 * pairs + 1, hi, mask=mask)
+    else:
+        offs = tl.arange(0, 2 * HALF_SPAN)
+        tl.store(ptr + offs, _interleave(lo, hi, HALF_SPAN), mask=offs < block)
+
 
 @triton.jit
 def _quantize4_kernel(x_ptr, codes_ptr, code_stride, scales_ptr, scale_stride, per_row, block,
-                      QMAX: tl.constexpr, HALF_SPAN: tl.constexpr):
+                      QMAX: tl.constexpr, HALF_SPAN: tl.constexpr, STRIDED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, 2 * HALF_SPAN)
-    x = tl.load(x_ptr + b * block + offs, mask=offs < block, other=0.0).to(tl.float32)
-    scale = _block_scale(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, QMAX)
+    x_lo, x_hi = _load_pairs(x_ptr + b * block, block, HALF_SPAN, STRIDED)
+    scale = _block_scale(tl.maximum(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                                    x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF), QMAX)
     tl.store(scales_ptr + _row_offset(b, per_row, scale_stride, 1), scale)
-    lo, hi = _pairs(_encode(x, scale, QMAX) & 0xF, HALF_SPAN)
+    lo = _encode(x_lo, scale, QMAX) & 0xF
+    hi = _encode(x_hi, scale, QMAX) & 0xF
     pairs = tl.arange(0, HALF_SPAN)
     tl.store(codes_ptr + _row_offset(b, per_row, code_stride, block // 2) + pairs,
              (lo | (hi << 4)).to(tl.uint8), mask=pairs < block // 2)
@@ -140,7 +170,7 @@ def _dequantize8_kernel(codes_ptr, code_stride, scales_ptr, scale_stride, per_ro
 
 @triton.jit
 def _dequantize4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride, per_row, out_ptr, block,
-                        HALF_SPAN: tl.constexpr):
+                        HALF_SPAN: tl.constexpr, STRIDED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HALF_SPAN)
     scale = tl.load(scales_ptr + _row_offset(b, per_row, scale_stride, 1))
@@ -148,9 +178,7 @@ def _dequantize4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride, per_ro
                    mask=pairs < block // 2, other=0).to(tl.int32)
     lo = _nibble(byte & 0xF).to(tl.float32) * scale
     hi = _nibble(byte >> 4).to(tl.float32) * scale
-    offs = tl.arange(0, 2 * HALF_SPAN)
-    tl.store(out_ptr + b * block + offs, _to_output(_interleave(lo, hi, HALF_SPAN), out_ptr),
-             mask=offs < block)
+    _store_pairs(out_ptr + b * block, _to_output(lo, out_ptr), _to_output(hi, out_ptr), block, HALF_SPAN, STRIDED)
 
 
 # The reduce kernels: program b sums block b of the K input rows (chunks), row j's at
@@ -233,7 +261,8 @@ def _add_chunks4(acc_lo, acc_hi, codes_b, code_stride, scales_b, scale_stride, f
 def _reduce4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride,
                     out_codes_ptr, out_code_stride, out_scales_ptr, out_scale_stride, out_per_row,
                     out_sum_ptr, res_ptr, block, K, QMAX: tl.constexpr, HALF_SPAN: tl.constexpr,
-                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr):
+                    REQUANTIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNROLL_LOG2: tl.constexpr,
+                    STRIDED: tl.constexpr):
     """Sum block b of the K packed INT4 chunks in fp32 (chunk 0 first); requantize or store (the
     loop over K: as _reduce8_kernel's; unrolled over a compile-time K, this one took 339 s to
     compile at K = 384).
@@ -258,12 +287,10 @@ def _reduce4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride,
             acc_lo, acc_hi = _add_chunks4(acc_lo, acc_hi, codes_b, code_stride, scales_b, scale_stride,
                                           first, pairs, mask, UNROLL >> halving)
             first += UNROLL >> halving
-    offs = tl.arange(0, 2 * HALF_SPAN)
-    full_mask = offs < block
     if REQUANTIZE:
-        res = res_ptr + b * block + offs
+        res = res_ptr + b * block
         if HAS_RESIDUAL:
-            res_lo, res_hi = _pairs(tl.load(res, mask=full_mask, other=0.0), HALF_SPAN)
+            res_lo, res_hi = _load_pairs(res, block, HALF_SPAN, STRIDED)
             acc_lo = acc_lo + res_lo
             acc_hi = acc_hi + res_hi
         bits = tl.maximum(acc_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
@@ -276,10 +303,10 @@ def _reduce4_kernel(codes_ptr, code_stride, scales_ptr, scale_stride,
         tl.store(out_codes_ptr + _row_offset(b, out_per_row, out_code_stride, block // 2) + pairs,
                  packed.to(tl.uint8), mask=mask)
         if HAS_RESIDUAL:
-            tl.store(res, _interleave(acc_lo - lo.to(tl.float32) * scale,
-                                      acc_hi - hi.to(tl.float32) * scale, HALF_SPAN), mask=full_mask)
+            _store_pairs(res, acc_lo - lo.to(tl.float32) * scale, acc_hi - hi.to(tl.float32) * scale, block,
+                         HALF_SPAN, STRIDED)
     else:
-        tl.store(out_sum_ptr + b * block + offs, _interleave(acc_lo, acc_hi, HALF_SPAN), mask=full_mask)
+        _store_pairs(out_sum_ptr + b * block, acc_lo, acc_hi, block, HALF_SPAN, STRIDED)
 
 
 @triton.jit
@@ -312,6 +339,11 @@ class TritonQuantizer(Quantizer):
 
     name = "triton"
 
+    strided_int4 = False  # StridedInt4Quantizer
+
+    def _int4_flags(self, bits: int) -> dict:
+        return {"STRIDED": self.strided_int4} if bits == 4 else {}
+
     def _check_device(self, t: Tensor) -> None:
         if t.device.type != "cuda" and not interpreter_active():
             raise QuantizationError(
@@ -323,7 +355,7 @@ class TritonQuantizer(Quantizer):
         if n_blocks:
             kernel = _quantize8_kernel if bits == 8 else _quantize4_kernel
             kernel[(n_blocks,)](x, codes, codes.stride(0), scales, scales.stride(0), scales.shape[1],
-                                block, float(qmax(bits)), _span(bits, block))
+                                block, float(qmax(bits)), _span(bits, block), **self._int4_flags(bits))
 
     def _dequantize(self, codes: Tensor, scales: Tensor, bits: int, block: int, out: Tensor) -> None:
         self._check_device(codes)
@@ -331,7 +363,7 @@ class TritonQuantizer(Quantizer):
         if n_blocks:
             kernel = _dequantize8_kernel if bits == 8 else _dequantize4_kernel
             kernel[(n_blocks,)](codes, codes.stride(0), scales, scales.stride(0), scales.shape[1], out,
-                                block, _span(bits, block))
+                                block, _span(bits, block), **self._int4_flags(bits))
 
     def _reduce(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int, requantize: bool,
                 codes: Tensor, scales: Tensor, total: Tensor, residual: Optional[Tensor] = None) -> None:
@@ -345,7 +377,8 @@ class TritonQuantizer(Quantizer):
             kernel[(n_blocks,)](codes_k, codes_k.stride(0), scales_k, scales_k.stride(0),
                                 codes, codes.stride(0), scales, scales.stride(0), scales.shape[1],
                                 total, res, block, codes_k.shape[0], float(qmax(bits)), _span(bits, block),
-                                requantize, residual is not None, REDUCE_UNROLL_LOG2, enable_fp_fusion=False)
+                                requantize, residual is not None, REDUCE_UNROLL_LOG2, enable_fp_fusion=False,
+                                **self._int4_flags(bits))
 
     def _reduce_requantize(self, codes_k: Tensor, scales_k: Tensor, bits: int, block: int,
                            residual: Optional[Tensor], codes: Tensor, scales: Tensor) -> None:
@@ -363,3 +396,12 @@ class TritonQuantizer(Quantizer):
         if n_blocks:
             _hadamard_kernel[(n_blocks,)](x, out, rotation_scale(block), block, block.bit_length() - 1)
         return out
+
+
+class StridedInt4Quantizer(TritonQuantizer):
+    """The INT4 kernels with their fp32 side read and written at stride 2 (two accesses per pair), as
+    before 145ef0a: not an implementation to train with, the baseline bench/quant_kernels.py times
+    the in-register split against on a device (``--impls triton,triton_strided4``). Same bits."""
+
+    name = "triton_strided4"
+    strided_int4 = True
