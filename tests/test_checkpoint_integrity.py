@@ -201,6 +201,7 @@ def test_a_bad_latest_passes_over_a_step_that_is_not_intact(tmp_path):
         f"rank_00000.pt holds 50 bytes, its save wrote {json.loads((folder / 'global_step2' / 'meta.json').read_text())['rank_files']['rank_00000.pt']['bytes']})"]
 
 
+@pytest.mark.slow  # the library-level test_a_bad_latest_is_read_as_a_missing_one_with_one_warning stays default
 def test_garbage_in_latest_resumes_the_newest_step_with_one_line(tmp_path, tiny_corpus, tiny_two_step_save):
     """The probe of issue 39: binary garbage in `latest` crashed the resume with a UnicodeDecodeError."""
     folder = tmp_path / "ck"

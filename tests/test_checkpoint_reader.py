@@ -186,6 +186,23 @@ def test_eight_rank_save_writes_the_index(zero3_run):
         assert entry["pieces"] == [[p["name"], p["offset"], p["length"]] for p in pieces], rank
 
 
+def test_an_eight_rank_resume_trains_bit_for_bit_what_the_run_that_went_on_trained(zero3_run, tmp_path, tiny_corpus):
+    """Step 2's checkpoint resumed on the same 8 ranks: steps 3 and 4 log the same losses as the run
+    that saved it and went on, and step 4's saved states are the same bits (test_reshard.py's chain
+    across layouts is slow)."""
+    ck = _copy_step(zero3_run, tmp_path / "ck").parent
+    cfg = _config(tmp_path / "b", tiny_corpus, train_iters=4, load=str(ck), save=str(tmp_path / "b" / "ck"))
+    result = run_deepy("train.py", str(cfg), *SIM8_ZERO3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout, result.stdout[-2000:]
+    reference, resumed = train_losses(zero3_run / "logs"), train_losses(tmp_path / "b" / "logs")
+    assert sorted(resumed) == [3, 4] and all(resumed[it] == reference[it] for it in (3, 4)), (resumed, reference)
+    went_on, again = (assemble_full_state(folder / "global_step4") for folder in (zero3_run / "ck", tmp_path / "b" / "ck"))
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert went_on[key].keys() == again[key].keys()
+        assert all(torch.equal(went_on[key][name], again[key][name]) for name in went_on[key]), key
+
+
 def test_resume_on_four_ranks_zero_topo_continues(zero3_run, tmp_path, tiny_corpus):
     ck = _copy_step(zero3_run, tmp_path / "ck").parent
     cfg = _config(tmp_path / "b", tiny_corpus, train_iters=4, load=str(ck))

@@ -231,7 +231,7 @@ def test_three_tier_rates_and_counters(network, tmp_path):
 
 # --- the ledger against the interface counters ------------------------------------------------------
 
-@pytest.mark.parametrize("preset", ["zero_topo", "zero3"])
+@pytest.mark.parametrize("preset", ["zero_topo", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_ledger_inter_node_bytes_match_the_interfaces(network, tmp_path, tiny_corpus, preset):
     """4 steps on 2 nodes x 2 ranks, an evaluation and a checkpoint every 2 steps. The ledger is
     synced after every step and logged (log_interval 1) before that step's evaluation and save, so

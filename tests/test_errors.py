@@ -305,6 +305,7 @@ def test_a_load_folder_without_checkpoints_starts_from_scratch(tmp_path, saved_r
 
 # --- Ctrl-C ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # test_checkpoint_interrupts.py::test_ctrl_c_saves_then_stops_the_ranks runs the same, with a save
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, tiny_corpus):
     """A terminal's SIGINT reaches deepy only (the ranks run in their own sessions): it stops them."""
     cfg = tiny_run_config(tmp_path, tiny_corpus, train_iters=5000, eval_iters=0, log_interval=1)

@@ -8,6 +8,8 @@ import torch
 from conftest import REPO, run_deepy, run_together, tiny_run_config
 
 transformers = pytest.importorskip("transformers")
+# slow: the mapping's logits against transformers are tests/test_hf.py's; the sharded load's, test_sharded_build.py's
+pytestmark = pytest.mark.slow
 
 
 SHAPES = [(0.25, True), (0.5, False)]  # (rotary_pct, gpt_j_residual)

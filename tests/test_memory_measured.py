@@ -34,7 +34,8 @@ def test_phase_peaks_see_an_allocation_and_reset():
     assert peaks.host["big"] - peaks.host["small"] > 48 * 2 ** 20, peaks.host
 
 
-@pytest.mark.parametrize("zero", [{"stage": 3}, {"preset": "zero_topo"}], ids=["zero3", "zero_topo"])
+@pytest.mark.parametrize("zero", [pytest.param({"stage": 3}, marks=pytest.mark.slow), {"preset": "zero_topo"}],
+                         ids=["zero3", "zero_topo"])
 def test_measured_build_peak_matches_the_memory_model(tmp_path, tiny_corpus, zero):
     cfg_path = tiny_run_config(tmp_path, tiny_corpus, num_layers=8, hidden_size=640, num_attention_heads=8,
                                train_iters=1, eval_iters=0, memory_report=True, train_batch_size=8,

@@ -102,7 +102,8 @@ def _phase_peaks(log_dir) -> dict:
     return json.loads((log_dir / "memory" / "rank_0.json").read_text())["allocator_peak"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-checkpointed", "fp32-selective"])
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=pytest.mark.slow) if p != "bf16" else p  # ~9 s each
+                                       for p in ["fp32", "bf16", "fp32-checkpointed", "fp32-selective"]])
 def test_one_process_phases_match_the_allocator(tmp_path, tiny_corpus, precision):
     """Train 2 steps and save, then resume and train one more, on one process with the allocator
     traced: build, step, save and load within 10% of the model. fp32: the activations make the

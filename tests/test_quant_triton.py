@@ -67,6 +67,7 @@ def test_triton_on_a_cpu_tensor_without_interpreter_falls_back(caplog):
     assert any("Triton quantization kernels unavailable" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # the bench's reference check before timing is in the default suite (the stride-2 baseline's test)
 def test_the_benchmark_times_another_version_of_the_kernels(tmp_path):
     """bench/quant_kernels.py --baseline-kernels (an A/B of a kernel change on a GPU): another copy of
     triton_kernels.py is loaded beside this one and timed as impl 'baseline', after its output is

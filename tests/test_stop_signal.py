@@ -13,7 +13,8 @@ SIMULATED_4 = [str(REPO / "configs/sim-2x2.yml"), str(REPO / "configs/zero_topo.
 
 
 @pytest.mark.parametrize("sig, layout, save, code", [
-    (signal.SIGUSR1, SIMULATED_4, True, STOPPED_SAVED),
+    # slow: test_checkpoint_lock.py's 4-rank USR1 stop checks the same exit 75 and every rank's file
+    pytest.param(signal.SIGUSR1, SIMULATED_4, True, STOPPED_SAVED, marks=pytest.mark.slow),
     (signal.SIGTERM, [], True, STOPPED_SAVED),
     (signal.SIGTERM, [], False, STOPPED_UNSAVED),
 ], ids=["usr1-4-ranks", "term-1-rank", "term-no-save"])

@@ -95,6 +95,7 @@ def test_bench_compiled_blocks_with_the_fused_loss_train_like_eager(tmp_path):
     assert rows["ours_compile_fused_ce"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
 
 
+@pytest.mark.slow  # torch.compile on the CPU, ~22 s
 def test_bench_compiled_blocks_train_like_eager(tmp_path, capsys):
     """training.compile (each block through torch.compile) on one process: the eager trajectory.
     With --trace-dir each row's profiled step is broken down (the compiled row's blocks run as
