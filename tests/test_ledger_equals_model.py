@@ -99,6 +99,10 @@ QUANT_CASES = [
     _case("q-stage1-ef-A2", preset="stage1", accum=2, quant=ALL_Q_EF),
     _case("q-hsdp-ef-A1-ckpt", preset="hsdp", checkpoint=True, quant=ALL_Q_EF),
 ]
+REDUCE_DTYPE_CASES = [  # communication_data_type: fp32 sums inside the node too under bf16 compute; bf16 across nodes
+    _case("zero_topo-bf16-comm-fp32-A2", preset="zero_topo", accum=2, precision="bfloat16", reduce_dtype="fp32"),
+    _case("stage3-fp32-comm-bf16-A1", preset="stage3", reduce_dtype="bf16"),
+]
 CASES = {
     "eight": _cases(PRESETS, [(2, 4, 8), (1, 2, 4)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
@@ -117,6 +121,7 @@ CASES = {
         # cross groups {0, 2, 4, 6} {1, 3, 5, 7}: a ring over both tiers, in fp32 under bf16 compute
         _case("ar-f1-2-8-bf16-fp32ar-A1", factors=(1, 2, 8), precision="bfloat16", fp32_allreduce=True,
               cross_node_reduction="all_reduce"),
+        *REDUCE_DTYPE_CASES,
     ]),
     "four": _cases(PRESETS, [(1, 2, 4), (1, 2, 2)], [
         _case("zero_topo-bf16-A2-ckpt", preset="zero_topo", accum=2, checkpoint=True, precision="bfloat16"),
@@ -126,9 +131,7 @@ CASES = {
         _case("zeropp-eval2-A2-ckpt", preset="zeropp", accum=2, checkpoint=True, eval_iters=2),
         _case("zero_topo-eval1-A2", preset="zero_topo", accum=2, eval_iters=1),
         _case("f1-2-2-eval2-A1", factors=(1, 2, 2), eval_iters=2),
-        # communication_data_type: fp32 sums inside the node too under bf16 compute; bf16 across nodes
-        _case("zero_topo-bf16-comm-fp32-A2", preset="zero_topo", accum=2, precision="bfloat16", reduce_dtype="fp32"),
-        _case("stage3-fp32-comm-bf16-A1", preset="stage3", reduce_dtype="bf16"),
+        *REDUCE_DTYPE_CASES,
         *QUANT_CASES,
         *ALL_REDUCE_CASES,
     ]),
@@ -249,12 +252,15 @@ def nonzero(ledger: dict) -> dict:
     return {key: nbytes for key, nbytes in ledger.items() if nbytes}
 
 
-ALL_CASES = [pytest.param(key, case, id=f"{key}:{case['name']}") for key in LAYOUTS for case in CASES[key]]
+# The 2 x 2 layout is a second one (its own launch, ~6 s): under `make test-slow`; 2 x 2 x 2 carries every kind of case.
+SECOND_LAYOUT = pytest.mark.slow
+ALL_CASES = [pytest.param(key, case, id=f"{key}:{case['name']}", marks=[SECOND_LAYOUT] if key == "four" else [])
+             for key in LAYOUTS for case in CASES[key]]
 
 
 # ------------------------------------------------------------------------------------------ proofs
 
-@pytest.mark.parametrize("layout_key", list(LAYOUTS))
+@pytest.mark.parametrize("layout_key", [pytest.param(k, marks=[SECOND_LAYOUT] if k == "four" else []) for k in LAYOUTS])
 def test_unit_sizes_agree(launches, layout_key):
     """The engine's unpadded units are the model's P_u; its padded buffers are the model's S_u."""
     results = launches(layout_key)

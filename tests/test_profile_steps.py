@@ -19,6 +19,7 @@ def _metrics(log_dir) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.slow  # a deepy run with the profiler on (~9 s); the breakdown's parts are tests/test_step_profile.py's
 def test_profiled_steps_leave_traces_and_breakdowns_and_train_the_same(tmp_path, tiny_corpus):
     runs = {
         "plain": {},

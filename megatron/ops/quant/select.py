@@ -60,9 +60,9 @@ def get_quantizer(impl: str = "auto",
     return ReferenceQuantizer()
 
 
-# Kernels kept only to be compared with an implementation (never trained with): name -> class name in
-# triton_kernels.py. `python -m megatron.ops.quant check --impl NAME` and bench/quant_kernels.py accept them.
-BASELINES = {"triton_strided4": "StridedInt4Quantizer"}
+# Kernels kept only to be compared with an implementation (never trained with), by name:
+# `python -m megatron.ops.quant check --impl NAME` and bench/quant_kernels.py accept them.
+BASELINES = ("triton_strided4",)  # triton_kernels.StridedInt4Quantizer
 
 
 def quantizer_or_baseline(impl: str, device: Optional[Union[str, torch.device]] = None) -> Quantizer:
@@ -75,5 +75,5 @@ def quantizer_or_baseline(impl: str, device: Optional[Union[str, torch.device]] 
     if reason is not None:
         log.warning("Triton quantization kernels unavailable (%s); using the torch reference", reason)
         return ReferenceQuantizer()
-    from . import triton_kernels
-    return getattr(triton_kernels, BASELINES[impl])()
+    from .triton_kernels import StridedInt4Quantizer
+    return StridedInt4Quantizer()
