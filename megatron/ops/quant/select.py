@@ -70,10 +70,8 @@ def quantizer_or_baseline(impl: str, device: Optional[Union[str, torch.device]] 
     Triton kernels can run on ``device``; else the reference, with the same one-line notice."""
     if impl not in BASELINES:
         return get_quantizer(impl, device)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    reason = _triton_unavailable(device)
-    if reason is not None:
-        log.warning("Triton quantization kernels unavailable (%s); using the torch reference", reason)
-        return ReferenceQuantizer()
+    triton = get_quantizer("triton", device)  # the reference, with its notice, where Triton cannot run
+    if triton.name != "triton":
+        return triton
     from .triton_kernels import StridedInt4Quantizer
     return StridedInt4Quantizer()
