@@ -234,7 +234,7 @@ def host_report(runs: list[dict]) -> str:
     return (f"Host time on the CPU at the full depth and world, every width small ({_shape(runs[0])}): medians in ms. "
             "The engine's share is the time inside its hooks and pass bookkeeping less the backend's calls (fake: a "
             "copy per group member NCCL does not make) and the quantization kernels (computed here, launched on a "
-            "GPU), both shown apart. The last column tells a slow sitting of this VM from slow code: the process's CPU "
+            "GPU), both shown apart. The last column tells a slow sitting of this VM from slow code: the main thread's CPU "
             "time over the wall time of a micro-step, and the share of the machine's time the hypervisor gave other "
             "guests (steal) while the steps ran\n\n"
             + table(["preset", "micro-step", "engine per micro-step", "backend per micro-step",

@@ -11,7 +11,9 @@ What is measured, in the order it happens:
   allocation), build, step, save, load;
 - host time (``meta``: no compute, so the wall time is the host's): per micro-step the engine's
   forward-backward against the same model's forward-backward without the engine (the difference is
-  the engine's own cost), the optimizer step, and the trainer's rest of a step;
+  the engine's own cost), the optimizer step, and the trainer's rest of a step; beside them the
+  micro-step's CPU time (this thread's) and the hypervisor's steal share of the machine while the
+  steps ran, which tell a slow sitting of a VM from slow code;
 - collectives issued per step by (op, group kind), the ledger's bytes per (phase, tier), and what
   makes the host wait (megatron/logging/host_syncs.py) per micro-step, optimizer step and trainer;
 - the checkpoint: the files this rank wrote (its rank file; the commit's files, done for the absent
