@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_together
 from megatron.config import load_config
 from megatron.launch.launcher import launch, plan_launch
 
@@ -98,7 +98,13 @@ def test_explicit_node_count_must_match_the_allocation(tmp_path):
 def test_slurm_launcher_without_a_topology_takes_the_layout_from_the_allocation(tmp_path):
     cfg_file = tmp_path / "c.yml"
     cfg_file.write_text("launcher: slurm\ntrain_micro_batch_size_per_gpu: 1\nvocab_size: 1000\n")
-    proc = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}", env_extra=slurm_job(3, per_node=4))
+    log_dir = f"log_dir={tmp_path}"
+    proc, given, none, unknown = run_together(  # four dry runs at once
+        lambda: deepy("--dry-run", str(cfg_file), "--set", log_dir, env_extra=slurm_job(3, per_node=4)),
+        lambda: deepy("--dry-run", str(cfg_file), "--set", log_dir, env_extra=slurm_job(3, per_node=4, gpus=4)),
+        lambda: deepy("--dry-run", str(cfg_file), "--set", log_dir,
+                      env_extra={**slurm_job(3, per_node=4), "SLURM_GPUS_PER_NODE": "0"}),
+        lambda: deepy("--dry-run", str(cfg_file), env_extra=slurm_job(3)))
     assert proc.returncode == 0, proc.stderr
     assert "srun --nodes=3 --ntasks=12 --ntasks-per-node=4" in proc.stdout
     # `device: auto` in an allocation that names no GPUs: the GPUs this machine sees decide (none on a
@@ -108,12 +114,8 @@ def test_slurm_launcher_without_a_topology_takes_the_layout_from_the_allocation(
     assert ("--gpus-per-task=1" in proc.stdout) == on_gpus
     assert f"world size: 12 ranks = 3 nodes x 4 {'GPUs' if on_gpus else 'ranks per node'}" in proc.stdout
     # The allocation's word wins either way: GPUs given, or none (`sbatch --gpus-per-node=0`).
-    given = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}", env_extra=slurm_job(3, per_node=4, gpus=4))
     assert "--gpus-per-task=1 --gpu-bind=closest" in given.stdout and "3 nodes x 4 GPUs" in given.stdout, given.stderr
-    none = deepy("--dry-run", str(cfg_file), "--set", f"log_dir={tmp_path}",
-                 env_extra={**slurm_job(3, per_node=4), "SLURM_GPUS_PER_NODE": "0"})
     assert "--gpus-per-task" not in none.stdout and "3 nodes x 4 ranks per node" in none.stdout, none.stderr
-    unknown = deepy("--dry-run", str(cfg_file), env_extra=slurm_job(3))
     assert unknown.returncode == 2 and "does not fix the ranks per node" in unknown.stderr
 
 
