@@ -38,8 +38,6 @@ class UnitCollectives:
         self.cross_node_reduction = settings.cross_node_reduction
         self.bucket_elements = settings.reduce_bucket_elements
         self.device = device
-        self._plain_hops: Optional[tuple[list[RankGroup], list[torch.dtype]]] = None  # unquantized: groups, dtypes
-        self._pieces: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # column ranges by (share, rows, quantum)
 
     # -- gradients --------------------------------------------------------------------------------
     def reduce_micro(self, unit: FlatUnit, grad: torch.Tensor, window: ReductionWindow, residual_scale: float) -> None:
@@ -51,27 +49,20 @@ class UnitCollectives:
         if bits:
             named = self.schedule.gradient_hops()
             hops = [(group, unit.residuals.get(name)) for name, group in named]
-            groups = [group for _name, group in named]
             widths = [self.schedule.hop_bits(name) for name, _ in named]
         else:  # communication_data_type, else a hop whose group spans nodes the boundary dtype
-            if self._plain_hops is None:
-                groups = [group for _name, group in self.schedule.gradient_hops()]
-                self._plain_hops = (groups, [self.settings.hop_dtype(self.comm.spans_nodes(g)) for g in groups])
-            groups, dtypes = self._plain_hops
-        rows = math.prod(group.size for group in groups)
+            hops = [(group, self.settings.hop_dtype(self.comm.spans_nodes(group)))
+                    for _name, group in self.schedule.gradient_hops()]
+        rows = math.prod(group.size for group, _ in hops)
         quantum = self.quant.block_size if bits else 1
-        key = (grad.numel() // rows, rows, quantum)
-        pieces = self._pieces.get(key)
-        if pieces is None:
-            pieces = self._pieces[key] = column_ranges(*key[:2], self.bucket_elements, quantum)
-        for a, b in pieces:
+        for a, b in column_ranges(grad.numel() // rows, rows, self.bucket_elements, quantum):
             if bits:
                 chain = quantized_piece_chain(self.qcomm, grad, hops, rows, a, b, "grad_reduce", widths,
                                               residual_scale=residual_scale)
             else:
-                chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), groups, "grad_reduce", dtypes)
-            accum = unit.grad_accum if len(pieces) == 1 else unit.grad_accum[a:b]
-            window.submit(chain, len(groups), accum.add_)
+                chain = ladder_chain(self.comm, piece_of(grad, rows, a, b), [g for g, _ in hops], "grad_reduce",
+                                     [dtype for _, dtype in hops])
+            window.submit(chain, len(hops), lambda out, a=a, b=b: unit.grad_accum[a:b].add_(out))
 
     def step_gradient(self, unit: FlatUnit, summands: float, residual_scale: float) -> torch.Tensor:
         """The fp32 gradient of the mean loss on this rank's 1/os slice: the accumulator summed over

@@ -245,8 +245,18 @@ def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[
     write in place. None when the scales cannot be viewed as fp32 (``record_geometry``); the caller
     then copies (``record_copies``)."""
     code_bytes, viewable = _check_records(buf, rows, bits, block)
-    if not viewable:
-        return None
+    return _record_views(buf, rows, code_bytes, bits) if viewable else None
+
+
+def record_copies(buf: Tensor, rows: int, bits: int, block: int) -> tuple[Tensor, Tensor]:
+    """The (codes, scales) rows of ``rows`` records as copies (any layout, ``interleaved_rows``'
+    None included)."""
+    code_bytes, _ = _check_records(buf, rows, bits, block)
+    return _record_copies(buf, rows, code_bytes, bits)
+
+
+def _record_views(buf: Tensor, rows: int, code_bytes: int, bits: int) -> tuple[Tensor, Tensor]:
+    """``interleaved_rows`` of a buffer already checked (its scales on 4-byte bounds)."""
     size = buf.numel() // rows
     want = torch.int8 if bits == 8 else torch.uint8
     codes = (buf if buf.dtype == want else buf.view(want)).as_strided((rows, code_bytes), (size, 1))
@@ -256,14 +266,19 @@ def interleaved_rows(buf: Tensor, rows: int, bits: int, block: int) -> Optional[
     return codes, scales
 
 
-def record_copies(buf: Tensor, rows: int, bits: int, block: int) -> tuple[Tensor, Tensor]:
-    """The (codes, scales) rows of ``rows`` records as copies (any layout, ``interleaved_rows``'
-    None included)."""
-    code_bytes, _ = _check_records(buf, rows, bits, block)
+def _record_copies(buf: Tensor, rows: int, code_bytes: int, bits: int) -> tuple[Tensor, Tensor]:
+    """``record_copies`` of a buffer already checked."""
     records = buf.view(torch.uint8).view(rows, -1)
     dense = torch.contiguous_format  # strides (n, 1) even for one row (a plain clone keeps the record's)
     return (records[:, :code_bytes].clone(memory_format=dense).view(codes_dtype(bits)),
             records[:, code_bytes:].clone(memory_format=dense).view(torch.float32))
+
+
+def _checked_record_rows(buf: Tensor, rows: int, bits: int, block: int, viewable: bool) -> tuple[Tensor, Tensor]:
+    """The rows of records a public records method has checked (``viewable`` from it): views, or
+    copies; not checked again (the hooks run per message)."""
+    code_bytes = record_geometry(buf.numel(), rows, bits, block)[0]
+    return (_record_views if viewable else _record_copies)(buf, rows, code_bytes, bits)
 
 
 def write_records(buf: Tensor, codes: Tensor, scales: Tensor) -> None:
@@ -475,20 +490,20 @@ class Quantizer:
 
     def _quantize_records(self, x: Tensor, buf: Tensor, k: int, bits: int, block: int, viewable: bool) -> None:
         if viewable:
-            self._quantize(x, bits, block, *interleaved_rows(buf, k, bits, block))
+            self._quantize(x, bits, block, *_checked_record_rows(buf, k, bits, block, viewable))
             return
         codes, scales = _new_rows(k, x.numel() // k, bits, block, x.device)
         self._quantize(x, bits, block, codes, scales)
         write_records(buf, codes, scales)
 
     def _dequantize_records(self, buf: Tensor, k: int, bits: int, block: int, viewable: bool, out: Tensor) -> None:
-        self._dequantize(*read_records(buf, k, bits, block), bits, block, out)
+        self._dequantize(*_checked_record_rows(buf, k, bits, block, viewable), bits, block, out)
 
     def _reduce_requantize_records(self, buf_k: Tensor, k: int, bits: int, block: int, residual: Optional[Tensor],
                                    buf: Tensor, k_out: int, viewable: bool) -> None:
         if viewable:  # input and output records both in place
-            self._reduce_requantize(*interleaved_rows(buf_k, k, bits, block), bits, block, residual,
-                                    *interleaved_rows(buf, k_out, bits, block))
+            self._reduce_requantize(*_checked_record_rows(buf_k, k, bits, block, True), bits, block, residual,
+                                    *_checked_record_rows(buf, k_out, bits, block, True))
             return
         out = _new_rows(k_out, record_numel(buf.numel() // k_out, bits, block), bits, block, buf.device)
         self._reduce_requantize(*read_records(buf_k, k, bits, block), bits, block, residual, *out)
@@ -496,7 +511,7 @@ class Quantizer:
 
     def _dequantize_sum_records(self, buf_k: Tensor, k: int, bits: int, block: int, viewable: bool,
                                 out: Tensor) -> None:
-        self._dequantize_sum(*read_records(buf_k, k, bits, block), bits, block, out)
+        self._dequantize_sum(*_checked_record_rows(buf_k, k, bits, block, viewable), bits, block, out)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
